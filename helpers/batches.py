@@ -1,0 +1,50 @@
+"""Micro-batches in an order that depends only on (seed, position), so a checkpoint can resume it.
+
+A PyTorch DataLoader's shuffle order lives in an iterator nobody saves; after a resume it starts
+over and the model sees different data than a straight run would. Here the order is a pure
+function of the seed and the number of micro-batches already served, and that number goes into
+the checkpoint.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ResumableBatches:
+    def __init__(self, dataset, micro_batch: int, seed: int = 0, rank: int = 0, world_size: int = 1):
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch={micro_batch} must be at least 1")
+        # Materialise once: the tutorial's datasets are small and indexing one tensor is fast.
+        self.tokens = torch.stack([dataset[i]["input_ids"] for i in range(len(dataset))])
+        self.batches_per_epoch = len(self.tokens) // (micro_batch * world_size)
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"dataset has {len(self.tokens)} samples, fewer than one global micro-batch "
+                             f"({micro_batch} x {world_size} ranks): make the dataset larger or the batch smaller")
+        self.micro_batch, self.seed, self.rank, self.world_size = micro_batch, seed, rank, world_size
+        self.position = 0   # micro-batches this rank has consumed
+        self._order = (None, None)  # (epoch, permutation) cache
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if self._order[0] != epoch:
+            gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self.tokens), generator=gen))
+        return self._order[1]
+
+    def next(self) -> torch.Tensor:
+        """The next micro-batch of token ids for this rank, shape (micro_batch, seq_len)."""
+        epoch, k = divmod(self.position, self.batches_per_epoch)
+        start = (k * self.world_size + self.rank) * self.micro_batch
+        self.position += 1
+        return self.tokens[self.permutation(epoch)[start:start + self.micro_batch]]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "micro_batch": self.micro_batch,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = {k: v for k, v in self.state_dict().items() if k != "position"}
+        saved = {k: state[k] for k in mine}
+        if saved != mine:
+            raise ValueError(f"checkpoint's data order {saved} differs from this run's {mine}: "
+                             "resume with the same seed, micro_batch and number of ranks")
+        self.position = state["position"]

@@ -1,0 +1,179 @@
+"""DeepSpeed config dicts from a few readable arguments, checked before `deepspeed.initialize`.
+
+`build_config` writes the same JSON the `deepspeed` launcher and HF `Trainer(deepspeed=...)` read;
+`validate` catches the mistakes that otherwise surface as a stack trace deep inside DeepSpeed
+(or, worse, as a silently different run), and names the field to fix.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (0, 1, 2, 3)
+
+# Keys DeepSpeed 0.19 no longer accepts, with what to use instead.
+REMOVED_TOP_LEVEL = {
+    "curriculum_learning": "use 'data_efficiency.data_sampling.curriculum_learning' or "
+                           "deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler",
+    "progressive_layer_drop": "Progressive Layer Drop was removed; delete the block",
+    "elasticity": "elastic training was removed; set the three batch sizes directly",
+    "compression_training": "the compression library was removed; delete the block",
+    "sparse_attention": "sparse attention was removed; delete the block",
+    "eigenvalue": "eigenvalue MoQ was removed; delete the block",
+}
+REMOVED_ZERO_KEYS = {
+    "cpu_offload": "use zero_optimization.offload_optimizer = {'device': 'cpu'}",
+    "cpu_offload_param": "use zero_optimization.offload_param = {'device': 'cpu'} (ZeRO stage 3)",
+    "cpu_offload_use_pin_memory": "use 'pin_memory' inside offload_optimizer / offload_param",
+}
+REMOVED_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb"}
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed config problem found before any engine is built. The message names the field."""
+
+
+def precision_block(precision: str) -> dict:
+    """The config entries for one precision. fp16 uses dynamic loss scaling (loss_scale 0)."""
+    if precision == "bf16":
+        return {"bf16": {"enabled": True}}
+    if precision == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                         "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}}
+    if precision == "fp32":
+        return {}
+    raise ConfigError(f"precision={precision!r} is not one of {PRECISIONS}")
+
+
+def zero_block(stage: int, offload_optimizer: bool, offload_param: bool) -> dict:
+    block = {"stage": stage}
+    if offload_optimizer:
+        block["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if offload_param:
+        block["offload_param"] = {"device": "cpu", "pin_memory": False}
+    return block
+
+
+def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int = 1,
+                 zero_stage: int = 0, precision: str = "fp32", lr: float = 1e-3,
+                 weight_decay: float = 0.01, warmup_steps: int = 10, total_steps: int = 100,
+                 grad_clip: float = 1.0, offload_optimizer: bool = False, offload_param: bool = False,
+                 torch_adam: bool = False, tensorboard_dir: str | None = None, job_name: str = "run") -> dict:
+    """A complete DeepSpeed config: ZeRO stage, precision, AdamW with warmup then linear decay.
+
+    torch_adam=True makes DeepSpeed use torch.optim.AdamW instead of its FusedAdam op. On a CPU we
+    want that: FusedAdam's CPU kernel rounds differently depending on where tensors sit in memory,
+    so a run resumed from a checkpoint drifts from the straight run by a few float32 ulps, while
+    torch's AdamW resumes bitwise identically.
+    """
+    config = {
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": grad_clip,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": weight_decay,
+            **({"torch_adam": True} if torch_adam else {})}},
+        # WarmupDecayLR: linear warmup to lr over warmup_steps, then linear decay to 0 at total_steps.
+        "scheduler": {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup_steps,
+            "warmup_type": "linear", "total_num_steps": total_steps}},
+        "zero_optimization": zero_block(zero_stage, offload_optimizer, offload_param),
+        "steps_per_print": 10**9,   # the trainer reports metrics itself
+        "wall_clock_breakdown": False,
+        **precision_block(precision),
+    }
+    if tensorboard_dir is not None:
+        config["tensorboard"] = {"enabled": True, "output_path": str(tensorboard_dir), "job_name": job_name}
+    return config
+
+
+def validate(config: dict, *, device: str, world_size: int = 1) -> dict:
+    """Raise ConfigError naming the field if DeepSpeed would reject or misread `config`."""
+    check_removed_keys(config)
+    check_batch_sizes(config, world_size)
+    check_zero(config.get("zero_optimization", {}))
+    check_precision(config, device)
+    check_optimizer(config)
+    return config
+
+
+def check_removed_keys(config: dict) -> None:
+    for key, fix in REMOVED_TOP_LEVEL.items():
+        if key in config:
+            raise ConfigError(f"'{key}' was removed in DeepSpeed 0.19: {fix}")
+    zero = config.get("zero_optimization", {})
+    for key, fix in REMOVED_ZERO_KEYS.items():
+        if key in zero:
+            raise ConfigError(f"'zero_optimization.{key}' was removed: {fix}")
+    opt_type = str(config.get("optimizer", {}).get("type", "")).lower()
+    if opt_type in REMOVED_OPTIMIZERS:
+        raise ConfigError(f"optimizer.type={config['optimizer']['type']!r} (1-bit / 0-1 optimizers) was removed: "
+                          "use 'AdamW' with 'communication_data_type' or ZeRO++ quantized communication")
+
+
+def check_batch_sizes(config: dict, world_size: int) -> None:
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    train, micro, accum = (config.get(n) for n in names)
+    for name, value in reversed(list(zip(names, (train, micro, accum)))):   # inputs before their product
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if world_size < 1:
+        raise ConfigError(f"world_size={world_size} must be at least 1")
+    if None not in (train, micro, accum) and train != micro * accum * world_size:
+        raise ConfigError(
+            f"train_batch_size={train} must equal train_micro_batch_size_per_gpu ({micro}) x "
+            f"gradient_accumulation_steps ({accum}) x world size ({world_size}) = {micro * accum * world_size}")
+    if train is None and micro is None:
+        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu")
+
+
+def check_zero(zero: dict) -> None:
+    stage = zero.get("stage", 0)
+    if stage not in ZERO_STAGES:
+        raise ConfigError(f"zero_optimization.stage={stage!r} is not a ZeRO stage: use one of {ZERO_STAGES}")
+    if "offload_optimizer" in zero and stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
+    if "offload_param" in zero and stage != 3:
+        raise ConfigError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
+
+
+def check_precision(config: dict, device: str) -> None:
+    fp16 = config.get("fp16", {}).get("enabled", False)
+    bf16 = config.get("bf16", {}).get("enabled", False)
+    if fp16 and bf16:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true: pick one precision")
+    if fp16 and device == "cpu":
+        raise ConfigError("fp16.enabled is true but this device is a CPU, where DeepSpeed refuses fp16: "
+                          "use precision 'bf16' or 'fp32' (fp16 needs a CUDA GPU)")
+
+
+def check_optimizer(config: dict) -> None:
+    lr = config.get("optimizer", {}).get("params", {}).get("lr")
+    if lr is not None and not lr > 0:
+        raise ConfigError(f"optimizer.params.lr={lr!r} must be positive")
+    sched = config.get("scheduler", {}).get("params", {})
+    if "warmup_max_lr" in sched and not sched["warmup_max_lr"] > 0:
+        raise ConfigError(f"scheduler.params.warmup_max_lr={sched['warmup_max_lr']!r} must be positive")
+    if sched.get("total_num_steps", 1) < sched.get("warmup_num_steps", 0):
+        raise ConfigError(f"scheduler.params.total_num_steps={sched['total_num_steps']} is shorter than "
+                          f"warmup_num_steps={sched['warmup_num_steps']}: train longer or warm up less")
+    clip = config.get("gradient_clipping", 0.0)
+    if clip < 0:
+        raise ConfigError(f"gradient_clipping={clip} must be >= 0 (0 turns clipping off)")
+
+
+def save_json(config: dict, path: str | Path) -> Path:
+    """Write the config as JSON for `deepspeed --deepspeed_config` or HF `TrainingArguments(deepspeed=)`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_json(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    return json.loads(path.read_text())

@@ -1,0 +1,95 @@
+"""Matplotlib figures for the notebooks. Each takes plain data, returns the figure and, given a
+directory, also saves it there as PNG (so a headless run leaves its plots on disk)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def finish(fig, save_dir: str | Path | None, name: str):
+    fig.tight_layout()
+    if save_dir is not None:
+        path = Path(save_dir) / "figures" / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def bars(labels, values, title: str, ylabel: str, save_dir=None, name="bars", highlight=None):
+    """A labelled bar chart; `highlight` (a label) is drawn in a second colour."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    colours = ["tab:orange" if label == highlight else "tab:blue" for label in labels]
+    ax.bar(labels, values, color=colours)
+    for i, v in enumerate(values):
+        ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=9)
+    ax.set(title=title, ylabel=ylabel)
+    return finish(fig, save_dir, name)
+
+
+def token_frequencies(counts_by_name: dict[str, np.ndarray], top: int = 60, save_dir=None):
+    """Sorted token frequencies of several datasets side by side (rank-frequency plot)."""
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for label, counts in counts_by_name.items():
+        freq = np.sort(np.asarray(counts, dtype=float))[::-1][:top]
+        ax.plot(np.arange(1, len(freq) + 1), freq / freq.sum(), marker=".", label=label)
+    ax.set(title=f"Token frequency, {top} most common tokens", xlabel="rank", ylabel="share of tokens")
+    ax.legend()
+    return finish(fig, save_dir, "token_frequencies")
+
+
+def transition_matrix(P: np.ndarray, words: list[str], n: int = 24, save_dir=None):
+    """The top-left n x n corner of the Markov transition matrix."""
+    fig, ax = plt.subplots(figsize=(5.5, 4.8))
+    im = ax.imshow(P[:n, :n], cmap="Blues")
+    ax.set_xticks(range(n), words[:n], rotation=90, fontsize=7)
+    ax.set_yticks(range(n), words[:n], fontsize=7)
+    ax.set(title=f"P(next word | word), first {n} words", xlabel="next word", ylabel="word")
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    return finish(fig, save_dir, "transition_matrix")
+
+
+def floors(rows: dict[str, dict[str, float]], save_dir=None):
+    """Per dataset: the ln V ceiling, the best-possible floor, and any measured losses."""
+    names = list(rows)
+    keys = list(dict.fromkeys(k for r in rows.values() for k in r))
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    width = 0.8 / len(keys)
+    for j, key in enumerate(keys):
+        values = [rows[n].get(key, np.nan) for n in names]
+        pos = np.arange(len(names)) + j * width
+        ax.bar(pos, values, width, label=key)
+        for x, v in zip(pos, values):
+            ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(np.arange(len(names)) + width * (len(keys) - 1) / 2, names)
+    ax.set(title="Loss floors (nats/token)", ylabel="nats/token")
+    ax.legend(fontsize=8, loc="lower right")
+    return finish(fig, save_dir, "floors")
+
+
+def training_curves(scalars: dict, floor: float, ln_vocab: float, save_dir=None):
+    """Loss (with the floor and ln V), learning rate, gradient norm and throughput, from TensorBoard."""
+    panels = [("train/loss", "loss (nats/token)"), ("train/lr", "learning rate"),
+              ("train/grad_norm", "gradient norm (before clipping)"), ("train/tokens_per_s", "tokens/s")]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    for ax, (tag, label) in zip(axes, panels):
+        steps, values = scalars[tag]
+        ax.plot(steps, values, lw=1)
+        ax.set(title=label, xlabel="step")
+    axes[0].axhline(floor, color="green", ls="--", label=f"floor {floor:.3f}")
+    axes[0].axhline(ln_vocab, color="red", ls=":", label=f"ln V {ln_vocab:.3f}")
+    axes[0].legend(fontsize=8)
+    return finish(fig, save_dir, "training_curves")
+
+
+def resume_overlay(straight: list[dict], resumed: list[dict], save_dir=None):
+    """Losses of the straight run and of the run resumed from a checkpoint, on the same steps."""
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot([m["step"] for m in straight], [m["loss"] for m in straight], lw=3, alpha=0.4,
+            label="trained straight through")
+    ax.plot([m["step"] for m in resumed], [m["loss"] for m in resumed], "k--", lw=1,
+            label="fresh engine resumed from checkpoint")
+    ax.set(title="Exact resume: the two runs overlap", xlabel="step", ylabel="loss")
+    ax.legend()
+    return finish(fig, save_dir, "resume_overlay")

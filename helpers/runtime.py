@@ -1,0 +1,172 @@
+"""What hardware we are on, which precision to train in, and the distributed setup a notebook needs."""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# CPU instruction sets with native bf16 math. Without them PyTorch emulates bf16 matmuls,
+# which is slower than fp32, so a CPU without them trains in fp32.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: str                 # "cuda" or "cpu"
+    device_name: str
+    capability: tuple | None    # CUDA compute capability, e.g. (7, 5) for a T4
+    memory_gb: float            # device memory (GPU) or host RAM (CPU)
+    precision: str              # "bf16", "fp16" or "fp32"
+    reason: str                 # one sentence: why this precision
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device == "cuda"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def choose_precision(capability: tuple | None, flags: set[str] = frozenset()) -> tuple[str, str]:
+    """(precision, reason) for a CUDA capability, or for the CPU when capability is None."""
+    if capability is not None:
+        if capability >= (8, 0):
+            return "bf16", f"CUDA sm_{capability[0]}{capability[1]} (Ampere or newer) has bf16 tensor cores"
+        return "fp16", (f"CUDA sm_{capability[0]}{capability[1]} has no bf16 tensor cores: "
+                        "fp16 with dynamic loss scaling")
+    native = sorted(set(CPU_BF16_FLAGS) & set(flags))
+    if native:
+        return "bf16", f"CPU has native bf16 instructions ({', '.join(native)})"
+    return "fp32", "CPU has no native bf16 instructions (avx512_bf16/amx_bf16), where bf16 is emulated and slower"
+
+
+def detect() -> Runtime:
+    """Inspect this machine once: device, memory and the precision the tutorial will use."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        cap = (props.major, props.minor)
+        precision, reason = choose_precision(cap)
+        return Runtime("cuda", props.name, cap, props.total_memory / 2**30, precision, reason)
+    import psutil
+    precision, reason = choose_precision(None, cpu_flags())
+    name = cpu_model_name() or platform.machine()
+    return Runtime("cpu", f"{name} ({os.cpu_count()} cores)", None,
+                   psutil.virtual_memory().total / 2**30, precision, reason)
+
+
+def free_port() -> int:
+    """A TCP port nobody is listening on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process() -> dict[str, str]:
+    """Make this (notebook) process a 1-rank distributed job, as a launcher would.
+
+    `deepspeed.initialize` outside a launcher falls back to MPI discovery unless these variables
+    exist. Only missing ones are set, so a real launcher's values always win; once the process
+    group exists we leave everything alone (re-running a notebook must not change the port).
+    """
+    import deepspeed
+    if not torch.distributed.is_initialized():
+        defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        for key, value in defaults.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        deepspeed.init_distributed(verbose=False)
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: os.environ[k] for k in keys}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) so runs repeat."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def quiet_deepspeed(level: str = "WARNING") -> None:
+    """DeepSpeed logs a lot at INFO; notebooks show only warnings and errors."""
+    import logging
+    from deepspeed.utils import logger
+    logger.setLevel(getattr(logging, level))
+
+
+def environment_report(runtime: Runtime) -> dict[str, str]:
+    """What a bug report needs: versions, device, and the precision this tutorial will use."""
+    import sys
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    cap = f"sm_{runtime.capability[0]}{runtime.capability[1]}" if runtime.capability else "n/a (no CUDA)"
+    return {"Python": sys.version.split()[0], "torch": torch.__version__,
+            "CUDA (torch build)": torch.version.cuda or "none (CPU build)",
+            "device": runtime.device_name, "compute capability": cap,
+            "memory": f"{runtime.memory_gb:.1f} GiB", "DeepSpeed": deepspeed.__version__,
+            "DeepSpeed accelerator": get_accelerator().device_name(),
+            "communication backend": get_accelerator().communication_backend_name(),
+            "precision": f"{runtime.precision}: {runtime.reason}"}
+
+
+def deepspeed_ops() -> dict[str, dict[str, bool]]:
+    """For each DeepSpeed C++/CUDA op: can it JIT-build here, and is a build already cached?"""
+    from pathlib import Path
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    from deepspeed.ops.op_builder.builder import probe_is_compatible
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    built = {p.name for p in cache.glob("*/*") if p.is_dir()}
+    return {name: {"compatible": bool(probe_is_compatible(builder, False)), "built": name in built}
+            for name, builder in ALL_OPS.items()}
+
+
+def matmul_tflops(dtype: torch.dtype, device: str, n: int = 1024, seconds: float = 0.5) -> float:
+    """Measured dense matmul throughput (TFLOP/s) for one dtype: 2n^3 FLOPs per n x n product."""
+    import time
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+
+    def run(reps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()   # GPU work is asynchronous: wait before reading the clock
+        return time.perf_counter() - start
+
+    run(1)   # warm-up: the first call pays for kernel selection
+    reps, elapsed = 1, 0.0
+    while elapsed < seconds:   # double the work until the timing is long enough to trust
+        reps *= 2
+        elapsed = run(reps)
+    return 2 * n**3 * reps / elapsed / 1e12
+
+
+def run_dir(name: str) -> "Path":
+    """Where a notebook writes everything it makes: $TUTORIAL_RUN_DIR/<name>, default <repo>/runs/<name>."""
+    from pathlib import Path
+    root = os.environ.get("TUTORIAL_RUN_DIR") or Path(__file__).resolve().parent.parent / "runs"
+    path = Path(root) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,227 @@
+"""AdvancedDeepSpeedTrainer: a GPT-2-style model trained by a DeepSpeed engine, with metrics,
+exact-resume checkpoints and text generation."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from . import config as ds_config
+from .batches import ResumableBatches
+from .metrics import memory_mb
+from .runtime import detect, init_single_process, quiet_deepspeed, seed_everything
+
+# (layers, hidden size, attention heads). "gpt2" is the body of GPT-2 small (124M with its vocab).
+MODEL_SIZES = {"tiny": (2, 128, 4), "small": (4, 256, 4), "base": (6, 384, 6), "gpt2": (12, 768, 12)}
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """Asked to resume from a place that holds no DeepSpeed checkpoint."""
+
+
+def auto_model_size(runtime) -> str:
+    """Small enough to train in a minute here: tiny on a CPU, larger on bigger GPUs."""
+    if not runtime.is_gpu:
+        return "tiny"
+    return "small" if runtime.memory_gb < 24 else "base"
+
+
+def build_model(vocab_size: int, n_positions: int, size: str = "tiny", pad_token_id: int | None = None,
+                seed: int = 0) -> GPT2LMHeadModel:
+    """A randomly initialised GPT-2 from a config (nothing downloaded). Dropout is off: the synthetic
+    source never repeats a sample, and it keeps runs bitwise repeatable."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"model_size={size!r} is not one of {sorted(MODEL_SIZES)} (or 'auto')")
+    n_layer, n_embd, n_head = MODEL_SIZES[size]
+    cfg = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
+                     n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=pad_token_id,
+                     loss_type="ForCausalLM")
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(cfg)
+
+
+def find_checkpoint(directory: str | Path) -> Path:
+    """The checkpoint directory `latest` points to; a clear error if there is none."""
+    directory = Path(directory)
+    latest = directory / "latest"
+    if not latest.is_file():
+        raise CheckpointNotFoundError(
+            f"no DeepSpeed checkpoint in {directory} (no 'latest' file): pass the directory "
+            "given to save_checkpoint, or resume_from=None to start fresh")
+    tag_dir = directory / latest.read_text().strip()
+    if not tag_dir.is_dir():
+        raise CheckpointNotFoundError(f"{latest} names '{tag_dir.name}', which is missing from {directory}")
+    return tag_dir
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, seed: int = 0,
+             temperature: float = 1.0) -> str:
+    """Sample a continuation of `prompt` (temperature sampling, seeded)."""
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+    torch.manual_seed(seed)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                         top_k=0, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+class AdvancedDeepSpeedTrainer:
+    """Train a GPT-2-style model on a `SyntheticTextDataset` with a DeepSpeed engine.
+
+    Everything the reader can get wrong is checked before `deepspeed.initialize`.
+    """
+
+    def __init__(self, train_data, *, model_size: str = "auto", n_positions: int | None = None,
+                 zero_stage: int = 0, precision: str = "auto", micro_batch: int = 16, grad_accum: int = 1,
+                 lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
+                 offload_optimizer: bool = False, output_dir: str | Path = "runs/trainer", name: str = "run",
+                 seed: int = 0, resume_from: str | Path | None = None):
+        self.runtime = detect()
+        self.precision = self.runtime.precision if precision == "auto" else precision
+        self.seq_len = train_data.seq_len
+        self.n_positions = n_positions or self.seq_len
+        if self.seq_len > self.n_positions:
+            raise ValueError(f"sequence length {self.seq_len} is longer than the model's n_positions="
+                             f"{self.n_positions}: raise n_positions or build the dataset with seq_len <= "
+                             f"{self.n_positions}")
+        self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
+        if self.model_size not in MODEL_SIZES:
+            raise ValueError(f"model_size={model_size!r} is not one of {sorted(MODEL_SIZES)} or 'auto'")
+        resume_dir = find_checkpoint(resume_from) if resume_from is not None else None
+        self.output_dir, self.name = Path(output_dir), name
+        self.tensorboard_dir = self.output_dir / "tensorboard"
+        self.job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.config = ds_config.validate(ds_config.build_config(
+            micro_batch=micro_batch, grad_accum=grad_accum, world_size=world, zero_stage=zero_stage,
+            precision=self.precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
+            grad_clip=grad_clip, offload_optimizer=offload_optimizer, torch_adam=not self.runtime.is_gpu,
+            tensorboard_dir=self.tensorboard_dir, job_name=self.job_name), device=self.runtime.device,
+            world_size=world)
+        self.tokenizer, self.grad_accum = train_data.tokenizer, grad_accum
+        self.engine = self._build_engine(train_data.vocab_size, seed)
+        self.batches = ResumableBatches(train_data, micro_batch, seed, self.engine.global_rank, world)
+        self.history: list[dict] = []
+        if resume_dir is not None:
+            self.load_checkpoint(resume_dir.parent, tag=resume_dir.name)
+
+    def _build_engine(self, vocab_size: int, seed: int):
+        import deepspeed
+        quiet_deepspeed()
+        init_single_process()
+        seed_everything(seed)
+        model = build_model(vocab_size, self.n_positions, self.model_size, self.tokenizer.pad_token_id, seed)
+        engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=model.parameters())
+        return engine
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.engine.module.parameters())
+
+    @property
+    def step(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def tensorboard_logdir(self) -> Path:
+        return self.tensorboard_dir / self.job_name
+
+    def train_step(self) -> dict:
+        """One optimizer step (grad_accum micro-batches); returns its metrics."""
+        start = time.perf_counter()
+        lr = self.engine.get_lr()[0]          # the rate this step's update uses
+        losses, own_norm = [], None
+        for micro in range(self.grad_accum):
+            ids = self.batches.next().to(self.engine.device)
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            self.engine.backward(loss)
+            if micro == self.grad_accum - 1 and self._engine_drops_grad_norm():
+                own_norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
+                                                         if p.grad is not None])
+            self.engine.step()
+            losses.append(loss.detach())
+        loss = torch.stack(losses).float().mean().item()   # one host sync per step, not per micro-batch
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {self.step}: lower lr "
+                                     f"(now {lr:g}) or enable gradient clipping")
+        seconds = time.perf_counter() - start
+        norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
+        tokens = ids.numel() * self.grad_accum * self.engine.world_size
+        return {"step": self.step, "loss": loss, "lr": lr,
+                "grad_norm": float(norm) if norm is not None else float("nan"),
+                "tokens_per_s": tokens / seconds, "step_s": seconds,
+                "memory_mb": memory_mb(self.runtime.device)}
+
+    def _engine_drops_grad_norm(self) -> bool:
+        """At ZeRO 0 in fp32 DeepSpeed clips with torch's clip_grad_norm_ but throws the norm away
+        (engine._take_model_step), so get_global_grad_norm() is None there: measure it ourselves."""
+        return self.config["zero_optimization"]["stage"] == 0 and self.precision == "fp32"
+
+    def train(self, steps: int, progress: bool = True) -> list[dict]:
+        """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard."""
+        from tqdm.auto import tqdm
+        self.engine.train()
+        new = []
+        bar = tqdm(range(steps), desc=f"{self.name} (ZeRO {self.config['zero_optimization']['stage']})",
+                   disable=not progress)
+        for _ in bar:
+            metrics = self.train_step()
+            new.append(metrics)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            self._log(metrics)
+        self.history += new
+        return new
+
+    def _log(self, metrics: dict) -> None:
+        events = [(f"train/{k}", v, metrics["step"]) for k, v in metrics.items() if k != "step"]
+        self.engine.monitor.write_events(events)
+
+    @torch.no_grad()
+    def evaluate(self, data, max_batches: int = 16) -> float:
+        """Mean next-token loss (nats/token) on `data`, without updating anything."""
+        self.engine.eval()
+        batches = ResumableBatches(data, self.config["train_micro_batch_size_per_gpu"], seed=0)
+        n = min(max_batches, batches.batches_per_epoch)
+        losses = [self.engine(input_ids=(ids := batches.next().to(self.engine.device)), labels=ids).loss
+                  for _ in range(n)]
+        self.engine.train()
+        return torch.stack(losses).float().mean().item()
+
+    def save_checkpoint(self, directory: str | Path | None = None) -> Path:
+        """Save engine, optimizer, LR schedule and data position; `latest` is updated last."""
+        directory = Path(directory or self.output_dir / "checkpoints")
+        tag = f"step{self.step}"
+        state = {"batches": self.batches.state_dict(), "history": self.history}
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=state)
+        return directory / tag
+
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> Path:
+        """Restore everything `save_checkpoint` saved; never silently starts fresh."""
+        tag_dir = find_checkpoint(directory) if tag is None else Path(directory) / tag
+        path, state = self.engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        if path is None:   # DeepSpeed only warns here; a fresh start would lose the run
+            raise CheckpointNotFoundError(f"DeepSpeed could not load a checkpoint from {tag_dir}")
+        self.batches.load_state_dict(state["batches"])
+        self.history = list(state["history"])
+        return tag_dir
+
+    def generate(self, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:
+        self.engine.eval()
+        text = generate(self.engine.module, self.tokenizer, prompt, max_new_tokens, seed)
+        self.engine.train()
+        return text
+
+    def summary(self, skip_first: int = 1) -> dict:
+        """Throughput and memory over the run so far (the first step, which warms caches, left out)."""
+        steady = self.history[skip_first:] or self.history
+        tokens = sum(m["tokens_per_s"] * m["step_s"] for m in steady)
+        seconds = sum(m["step_s"] for m in steady)
+        return {"steps": len(self.history), "final_loss": self.history[-1]["loss"],
+                "tokens_per_s": tokens / seconds, "peak_memory_mb": max(m["memory_mb"] for m in steady),
+                "params": self.n_params, "precision": self.precision, "model_size": self.model_size}

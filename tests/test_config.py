@@ -1,0 +1,70 @@
+"""The config builder: what it writes, and each mistake it stops before deepspeed.initialize."""
+import json
+
+import pytest
+
+from helpers.config import ConfigError, build_config, load_json, save_json, validate
+
+
+def good(**overrides):
+    return build_config(micro_batch=4, grad_accum=2, world_size=1, **overrides)
+
+
+def test_built_config_is_complete_and_valid():
+    cfg = validate(good(zero_stage=2, precision="bf16", lr=1e-3, warmup_steps=5, total_steps=50), device="cpu")
+    assert cfg["train_batch_size"] == 8
+    assert cfg["zero_optimization"]["stage"] == 2
+    assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
+    assert cfg["scheduler"]["params"]["warmup_max_lr"] == cfg["optimizer"]["params"]["lr"] == 1e-3
+
+
+def test_fp16_uses_dynamic_loss_scaling():
+    cfg = validate(good(precision="fp16"), device="cuda")
+    assert cfg["fp16"]["enabled"] and cfg["fp16"]["loss_scale"] == 0   # 0 means dynamic
+
+
+def test_json_round_trip(tmp_path):
+    cfg = good(zero_stage=1, tensorboard_dir=tmp_path / "tb")
+    assert load_json(save_json(cfg, tmp_path / "ds.json")) == json.loads(json.dumps(cfg))
+
+
+def test_deepspeed_accepts_the_built_config():
+    from deepspeed.runtime.config import DeepSpeedConfig
+    ds = DeepSpeedConfig(good(zero_stage=3, precision="bf16"))
+    assert ds.zero_optimization_stage == 3 and ds.train_batch_size == 8
+
+
+@pytest.mark.parametrize("mutate, device, world, field", [
+    (lambda c: c.update(train_batch_size=12), "cpu", 1, "train_batch_size=12"),
+    (lambda c: None, "cpu", 2, "world size (2)"),
+    (lambda c: c.update(train_micro_batch_size_per_gpu=0), "cpu", 1, "train_micro_batch_size_per_gpu=0"),
+    (lambda c: c["zero_optimization"].update(stage=4), "cpu", 1, "zero_optimization.stage=4"),
+    (lambda c: c.update(fp16={"enabled": True}), "cpu", 1, "fp16.enabled"),
+    (lambda c: c.update(fp16={"enabled": True}, bf16={"enabled": True}), "cuda", 1, "pick one precision"),
+    (lambda c: c["zero_optimization"].update(cpu_offload=True), "cpu", 1, "zero_optimization.cpu_offload"),
+    (lambda c: c.update(curriculum_learning={"enabled": True}), "cpu", 1, "'curriculum_learning'"),
+    (lambda c: c["optimizer"].update(type="OneBitAdam"), "cpu", 1, "optimizer.type='OneBitAdam'"),
+    (lambda c: c["optimizer"]["params"].update(lr=0.0), "cpu", 1, "optimizer.params.lr=0.0"),
+    (lambda c: c["optimizer"]["params"].update(lr=-1e-3), "cpu", 1, "optimizer.params.lr=-0.001"),
+    (lambda c: c["zero_optimization"].update(offload_param={"device": "cpu"}), "cpu", 1, "offload_param"),
+    (lambda c: c["zero_optimization"].update(stage=0, offload_optimizer={"device": "cpu"}), "cpu", 1,
+     "offload_optimizer"),
+    (lambda c: c["scheduler"]["params"].update(total_num_steps=1), "cpu", 1, "total_num_steps=1"),
+    (lambda c: c.update(gradient_clipping=-1.0), "cpu", 1, "gradient_clipping=-1.0"),
+])
+def test_bad_config_names_the_field(mutate, device, world, field):
+    cfg = good()
+    mutate(cfg)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, device=device, world_size=world)
+    assert field in str(err.value)
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ConfigError, match="precision='fp8'"):
+        build_config(precision="fp8")
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_json(tmp_path / "nope.json")

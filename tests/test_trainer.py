@@ -1,0 +1,71 @@
+"""AdvancedDeepSpeedTrainer: bad input stopped before deepspeed.initialize, learning, exact resume."""
+import deepspeed
+import pytest
+
+from helpers.config import ConfigError
+from helpers.data import SyntheticTextDataset
+from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError, generate, build_model
+
+
+@pytest.fixture(scope="module")
+def data():
+    return SyntheticTextDataset("markov", n_samples=256, seq_len=32, seed=0)
+
+
+def small(data, tmp_path, **kw):
+    args = dict(model_size="tiny", micro_batch=8, lr=3e-3, warmup_steps=2, total_steps=40, output_dir=tmp_path)
+    return AdvancedDeepSpeedTrainer(data, **{**args, **kw})
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fail the test if anything reaches deepspeed.initialize: errors must come first."""
+    def refuse(*a, **k):
+        raise AssertionError("deepspeed.initialize was called before the bad input was caught")
+    monkeypatch.setattr(deepspeed, "initialize", refuse)
+
+
+@pytest.mark.parametrize("kwargs, error, field", [
+    (dict(n_positions=16), ValueError, "n_positions=16"),
+    (dict(lr=0.0), ConfigError, "optimizer.params.lr=0.0"),
+    (dict(lr=-1.0), ConfigError, "optimizer.params.lr=-1.0"),
+    (dict(precision="fp16"), ConfigError, "fp16"),
+    (dict(zero_stage=5), ConfigError, "zero_optimization.stage=5"),
+    (dict(micro_batch=0), ConfigError, "train_micro_batch_size_per_gpu=0"),
+    (dict(warmup_steps=50, total_steps=10), ConfigError, "total_num_steps=10"),
+    (dict(model_size="huge"), ValueError, "model_size='huge'"),
+])
+def test_bad_input_is_caught_before_the_engine(data, tmp_path, no_engine, kwargs, error, field):
+    with pytest.raises(error) as err:
+        small(data, tmp_path, **kwargs)
+    assert field in str(err.value)
+
+
+def test_resume_from_an_empty_directory_is_an_error(data, tmp_path, no_engine):
+    with pytest.raises(CheckpointNotFoundError, match="no DeepSpeed checkpoint in"):
+        small(data, tmp_path, resume_from=tmp_path)
+
+
+def test_resume_from_a_missing_tag_is_an_error(data, tmp_path, no_engine):
+    (tmp_path / "latest").write_text("step7")
+    with pytest.raises(CheckpointNotFoundError, match="step7"):
+        small(data, tmp_path, resume_from=tmp_path)
+
+
+def test_trains_and_resumes_exactly(data, tmp_path):
+    straight = small(data, tmp_path / "a")
+    first = straight.train(10, progress=False)
+    ckpt = straight.save_checkpoint()
+    rest = straight.train(10, progress=False)
+    assert rest[-1]["loss"] < first[0]["loss"] - 0.5          # it learns
+    resumed = small(data, tmp_path / "b", resume_from=ckpt.parent)
+    assert resumed.step == 10 and resumed.batches.position == 10
+    again = resumed.train(10, progress=False)
+    assert [m["loss"] for m in again] == [m["loss"] for m in rest]   # bitwise on CPU
+    assert [m["lr"] for m in again] == [m["lr"] for m in rest]
+
+
+def test_generate_returns_known_words(data, tmp_path):
+    model = build_model(data.vocab_size, data.seq_len, "tiny", data.tokenizer.pad_token_id)
+    text = generate(model, data.tokenizer, data.source.words[0], max_new_tokens=10)
+    assert len(text.split()) == 11 and all(w in data.source.index for w in text.split())
