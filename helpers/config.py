@@ -156,6 +156,10 @@ def check_optimizer(config: dict) -> None:
     sched = config.get("scheduler", {}).get("params", {})
     if "warmup_max_lr" in sched and not sched["warmup_max_lr"] > 0:
         raise ConfigError(f"scheduler.params.warmup_max_lr={sched['warmup_max_lr']!r} must be positive")
+    warmup = sched.get("warmup_num_steps", 1)
+    if not isinstance(warmup, int) or warmup < 1:
+        raise ConfigError(f"scheduler.params.warmup_num_steps={warmup!r} must be a positive integer "
+                          "(DeepSpeed's WarmupDecayLR divides by it): use 1 for no warmup")
     if sched.get("total_num_steps", 1) < sched.get("warmup_num_steps", 0):
         raise ConfigError(f"scheduler.params.total_num_steps={sched['total_num_steps']} is shorter than "
                           f"warmup_num_steps={sched['warmup_num_steps']}: train longer or warm up less")

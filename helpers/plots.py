@@ -9,7 +9,10 @@ import numpy as np
 
 
 def finish(fig, save_dir: str | Path | None, name: str):
+    """Lay out, save if asked, and close: the notebook shows the returned figure exactly once
+    (as the cell's value) instead of pyplot also drawing every open figure at the cell's end."""
     fig.tight_layout()
+    plt.close(fig)
     if save_dir is not None:
         path = Path(save_dir) / "figures" / f"{name}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,3 +96,12 @@ def resume_overlay(straight: list[dict], resumed: list[dict], save_dir=None):
     ax.set(title="Exact resume: the two runs overlap", xlabel="step", ylabel="loss")
     ax.legend()
     return finish(fig, save_dir, "resume_overlay")
+
+
+def table(rows, index: str | None = None):
+    """A pandas DataFrame from a dict (one row per key) or a list of dicts, for tidy display."""
+    import pandas as pd
+    if isinstance(rows, dict):
+        return pd.DataFrame({"value": [str(v) for v in rows.values()]}, index=list(rows))
+    frame = pd.DataFrame(rows)
+    return frame.set_index(index) if index else frame

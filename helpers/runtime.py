@@ -1,6 +1,7 @@
 """What hardware we are on, which precision to train in, and the distributed setup a notebook needs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
@@ -87,18 +88,29 @@ def init_single_process() -> dict[str, str]:
     """Make this (notebook) process a 1-rank distributed job, as a launcher would.
 
     `deepspeed.initialize` outside a launcher falls back to MPI discovery unless these variables
-    exist. Only missing ones are set, so a real launcher's values always win; once the process
-    group exists we leave everything alone (re-running a notebook must not change the port).
+    exist. Only missing ones are set, so a real launcher's values always win. Once the process group
+    exists nothing is re-initialised and the port never moves (re-running a notebook is safe).
     """
     import deepspeed
-    if not torch.distributed.is_initialized():
+    dist = torch.distributed
+    if not dist.is_initialized():
         defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
         for key, value in defaults.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         deepspeed.init_distributed(verbose=False)
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: os.environ[k] for k in keys}
+    else:   # the group exists; deepspeed.initialize still reads these three from the environment
+        for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
+                           ("WORLD_SIZE", dist.get_world_size())):
+            os.environ.setdefault(key, str(value))
+    return {k: os.environ.get(k, "") for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def world_size() -> int:
+    """Ranks in this job: the live process group's size, else what a launcher announced, else 1."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def seed_everything(seed: int) -> None:
@@ -137,8 +149,22 @@ def deepspeed_ops() -> dict[str, dict[str, bool]]:
     from deepspeed.ops.op_builder.builder import probe_is_compatible
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     built = {p.name for p in cache.glob("*/*") if p.is_dir()}
-    return {name: {"compatible": bool(probe_is_compatible(builder, False)), "built": name in built}
-            for name, builder in ALL_OPS.items()}
+    with silenced_stderr():   # the probes try test compiles whose linker errors are expected noise
+        return {name: {"compatible": bool(probe_is_compatible(builder, False)), "built": name in built}
+                for name, builder in ALL_OPS.items()}
+
+
+@contextlib.contextmanager
+def silenced_stderr():
+    """Send file descriptor 2 to /dev/null for a moment (catches C-level output too)."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def matmul_tflops(dtype: torch.dtype, device: str, n: int = 1024, seconds: float = 0.5) -> float:

@@ -3,7 +3,6 @@ exact-resume checkpoints and text generation."""
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from . import config as ds_config
 from .batches import ResumableBatches
 from .metrics import memory_mb
-from .runtime import detect, init_single_process, quiet_deepspeed, seed_everything
+from .runtime import detect, init_single_process, quiet_deepspeed, seed_everything, world_size
 
 # (layers, hidden size, attention heads). "gpt2" is the body of GPT-2 small (124M with its vocab).
 MODEL_SIZES = {"tiny": (2, 128, 4), "small": (4, 256, 4), "base": (6, 384, 6), "gpt2": (12, 768, 12)}
@@ -39,10 +38,21 @@ def build_model(vocab_size: int, n_positions: int, size: str = "tiny", pad_token
     n_layer, n_embd, n_head = MODEL_SIZES[size]
     cfg = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
                      n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=None, eos_token_id=None, pad_token_id=pad_token_id,
-                     loss_type="ForCausalLM")
+                     bos_token_id=None, eos_token_id=None, pad_token_id=pad_token_id)
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"   # transformers warns when a model leaves it unset
+    return model
+
+
+def gpt2_param_count(vocab_size: int, n_positions: int, n_layer: int, n_embd: int) -> int:
+    """Parameters of a GPT-2 with tied input/output embeddings, counted from its shapes.
+
+    Per block: attention qkv 3d^2+3d, attention out d^2+d, MLP 4d^2+4d and 4d^2+d, two LayerNorms 4d,
+    i.e. 12d^2 + 13d. Plus token (V d) and position (n_pos d) embeddings and the final LayerNorm (2d).
+    """
+    d = n_embd
+    return n_layer * (12 * d * d + 13 * d) + (vocab_size + n_positions) * d + 2 * d
 
 
 def find_checkpoint(directory: str | Path) -> Path:
@@ -64,9 +74,10 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, seed: int 
              temperature: float = 1.0) -> str:
     """Sample a continuation of `prompt` (temperature sampling, seeded)."""
     device = next(model.parameters()).device
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+    enc = tokenizer(prompt, return_tensors="pt")
     torch.manual_seed(seed)
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+    out = model.generate(enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+                         max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
                          top_k=0, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
@@ -97,7 +108,7 @@ class AdvancedDeepSpeedTrainer:
         self.output_dir, self.name = Path(output_dir), name
         self.tensorboard_dir = self.output_dir / "tensorboard"
         self.job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         self.config = ds_config.validate(ds_config.build_config(
             micro_batch=micro_batch, grad_accum=grad_accum, world_size=world, zero_stage=zero_stage,
             precision=self.precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,

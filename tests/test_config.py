@@ -50,6 +50,7 @@ def test_deepspeed_accepts_the_built_config():
     (lambda c: c["zero_optimization"].update(stage=0, offload_optimizer={"device": "cpu"}), "cpu", 1,
      "offload_optimizer"),
     (lambda c: c["scheduler"]["params"].update(total_num_steps=1), "cpu", 1, "total_num_steps=1"),
+    (lambda c: c["scheduler"]["params"].update(warmup_num_steps=0), "cpu", 1, "warmup_num_steps=0"),
     (lambda c: c.update(gradient_clipping=-1.0), "cpu", 1, "gradient_clipping=-1.0"),
 ])
 def test_bad_config_names_the_field(mutate, device, world, field):

@@ -1,5 +1,6 @@
 """Precision choice and the single-process distributed environment."""
 import os
+from pathlib import Path
 
 import pytest
 
@@ -33,11 +34,28 @@ def test_free_port_is_bindable():
         s.bind(("127.0.0.1", free_port()))
 
 
-def test_single_process_env_keeps_existing_values(monkeypatch):
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    env = init_single_process()
-    assert env["WORLD_SIZE"] == "1" and dist.is_initialized()
-    again = init_single_process()   # a re-run must not move the port
-    assert again == env and os.environ["MASTER_PORT"] == env["MASTER_PORT"]
+def run_fresh(code: str, **env) -> dict:
+    """Run `code` in a new Python process (no process group yet) and return the dict it prints."""
+    import json, subprocess, sys
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                              "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+SETUP_TWICE = """
+import json
+from helpers.runtime import init_single_process
+first = init_single_process(); second = init_single_process()
+print(json.dumps({"first": first, "second": second}))
+"""
+
+
+def test_single_process_env_fills_only_what_is_missing():
+    got = run_fresh(SETUP_TWICE, MASTER_ADDR="localhost")
+    first = got["first"]
+    assert first["RANK"] == "0" and first["WORLD_SIZE"] == "1" and first["LOCAL_RANK"] == "0"
+    assert first["MASTER_ADDR"] == "localhost"        # a value that was already set is kept
+    assert int(first["MASTER_PORT"]) > 0
+    assert got["second"] == first                      # a re-run changes nothing, the port included
