@@ -67,7 +67,7 @@ def floors(rows: dict[str, dict[str, float]], save_dir=None):
             ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(np.arange(len(names)) + width * (len(keys) - 1) / 2, names)
     ax.set(title="Loss floors (nats/token)", ylabel="nats/token")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper right")
     return finish(fig, save_dir, "floors")
 
 
