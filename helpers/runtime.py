@@ -106,6 +106,13 @@ def init_single_process() -> dict[str, str]:
     return {k: os.environ.get(k, "") for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 
+def process_rank() -> int:
+    """This process's rank: from the live process group, else what a launcher announced, else 0."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def world_size() -> int:
     """Ranks in this job: the live process group's size, else what a launcher announced, else 1."""
     if torch.distributed.is_initialized():

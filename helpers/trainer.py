@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from . import config as ds_config
 from .batches import ResumableBatches
 from .metrics import memory_mb
-from .runtime import detect, init_single_process, quiet_deepspeed, seed_everything, world_size
+from .runtime import detect, init_single_process, process_rank, quiet_deepspeed, seed_everything, world_size
 
 # (layers, hidden size, attention heads). "gpt2" is the body of GPT-2 small (124M with its vocab).
 MODEL_SIZES = {"tiny": (2, 128, 4), "small": (4, 256, 4), "base": (6, 384, 6), "gpt2": (12, 768, 12)}
@@ -95,32 +95,32 @@ class AdvancedDeepSpeedTrainer:
                  seed: int = 0, resume_from: str | Path | None = None):
         self.runtime = detect()
         self.precision = self.runtime.precision if precision == "auto" else precision
-        self.seq_len = train_data.seq_len
-        self.n_positions = n_positions or self.seq_len
+        self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
+        self.seq_len, self.n_positions = train_data.seq_len, n_positions or train_data.seq_len
+        self._check_model(model_size)
+        resume_dir = find_checkpoint(resume_from) if resume_from is not None else None
+        self.output_dir, self.name, self.grad_accum = Path(output_dir), name, grad_accum
+        self.tensorboard_dir = self.output_dir / "tensorboard"
+        self.job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
+        self.config = ds_config.validate(ds_config.build_config(
+            micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size(), zero_stage=zero_stage,
+            precision=self.precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
+            grad_clip=grad_clip, offload_optimizer=offload_optimizer, torch_adam=not self.runtime.is_gpu,
+            tensorboard_dir=self.tensorboard_dir, job_name=self.job_name),
+            device=self.runtime.device, world_size=world_size())
+        self.batches = ResumableBatches(train_data, micro_batch, seed, process_rank(), world_size())
+        self.tokenizer, self.history = train_data.tokenizer, []
+        self.engine = self._build_engine(train_data.vocab_size, seed)   # the first expensive step
+        if resume_dir is not None:
+            self.load_checkpoint(resume_dir.parent, tag=resume_dir.name)
+
+    def _check_model(self, asked_size: str) -> None:
+        if self.model_size not in MODEL_SIZES:
+            raise ValueError(f"model_size={asked_size!r} is not one of {sorted(MODEL_SIZES)} or 'auto'")
         if self.seq_len > self.n_positions:
             raise ValueError(f"sequence length {self.seq_len} is longer than the model's n_positions="
                              f"{self.n_positions}: raise n_positions or build the dataset with seq_len <= "
                              f"{self.n_positions}")
-        self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
-        if self.model_size not in MODEL_SIZES:
-            raise ValueError(f"model_size={model_size!r} is not one of {sorted(MODEL_SIZES)} or 'auto'")
-        resume_dir = find_checkpoint(resume_from) if resume_from is not None else None
-        self.output_dir, self.name = Path(output_dir), name
-        self.tensorboard_dir = self.output_dir / "tensorboard"
-        self.job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
-        world = world_size()
-        self.config = ds_config.validate(ds_config.build_config(
-            micro_batch=micro_batch, grad_accum=grad_accum, world_size=world, zero_stage=zero_stage,
-            precision=self.precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
-            grad_clip=grad_clip, offload_optimizer=offload_optimizer, torch_adam=not self.runtime.is_gpu,
-            tensorboard_dir=self.tensorboard_dir, job_name=self.job_name), device=self.runtime.device,
-            world_size=world)
-        self.tokenizer, self.grad_accum = train_data.tokenizer, grad_accum
-        self.engine = self._build_engine(train_data.vocab_size, seed)
-        self.batches = ResumableBatches(train_data, micro_batch, seed, self.engine.global_rank, world)
-        self.history: list[dict] = []
-        if resume_dir is not None:
-            self.load_checkpoint(resume_dir.parent, tag=resume_dir.name)
 
     def _build_engine(self, vocab_size: int, seed: int):
         import deepspeed

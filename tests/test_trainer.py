@@ -34,6 +34,7 @@ def no_engine(monkeypatch):
     (dict(micro_batch=0), ConfigError, "train_micro_batch_size_per_gpu=0"),
     (dict(warmup_steps=50, total_steps=10), ConfigError, "total_num_steps=10"),
     (dict(model_size="huge"), ValueError, "model_size='huge'"),
+    (dict(micro_batch=512), ValueError, "fewer than one global micro-batch"),
 ])
 def test_bad_input_is_caught_before_the_engine(data, tmp_path, no_engine, kwargs, error, field):
     with pytest.raises(error) as err:
