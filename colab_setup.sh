@@ -21,6 +21,7 @@ PY
 
 missing=()
 has deepspeed || missing+=("deepspeed==0.19.8")
+has transformers || missing+=("transformers")
 has datasets || missing+=("datasets")
 has tensorboard || missing+=("tensorboard")
 has tokenizers || missing+=("tokenizers")

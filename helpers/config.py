@@ -46,8 +46,8 @@ def precision_block(precision: str) -> dict:
     raise ConfigError(f"precision={precision!r} is not one of {PRECISIONS}")
 
 
-def zero_block(stage: int, offload_optimizer: bool, offload_param: bool) -> dict:
-    block = {"stage": stage}
+def zero_block(stage: int, offload_optimizer: bool, offload_param: bool, extra: dict | None = None) -> dict:
+    block = {"stage": stage, **(extra or {})}
     if offload_optimizer:
         block["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if offload_param:
@@ -59,13 +59,15 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
                  zero_stage: int = 0, precision: str = "fp32", lr: float = 1e-3,
                  weight_decay: float = 0.01, warmup_steps: int = 10, total_steps: int = 100,
                  grad_clip: float = 1.0, offload_optimizer: bool = False, offload_param: bool = False,
-                 torch_adam: bool = False, tensorboard_dir: str | None = None, job_name: str = "run") -> dict:
+                 torch_adam: bool = False, zero_extra: dict | None = None, tensorboard_dir: str | None = None,
+                 job_name: str = "run") -> dict:
     """A complete DeepSpeed config: ZeRO stage, precision, AdamW with warmup then linear decay.
 
     torch_adam=True makes DeepSpeed use torch.optim.AdamW instead of its FusedAdam op. On a CPU we
     want that: FusedAdam's CPU kernel rounds differently depending on where tensors sit in memory,
     so a run resumed from a checkpoint drifts from the straight run by a few float32 ulps, while
     torch's AdamW resumes bitwise identically.
+    zero_extra: more zero_optimization keys, e.g. {"reduce_bucket_size": ...} for small models.
     """
     config = {
         "train_batch_size": micro_batch * grad_accum * world_size,
@@ -79,7 +81,7 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
         "scheduler": {"type": "WarmupDecayLR", "params": {
             "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup_steps,
             "warmup_type": "linear", "total_num_steps": total_steps}},
-        "zero_optimization": zero_block(zero_stage, offload_optimizer, offload_param),
+        "zero_optimization": zero_block(zero_stage, offload_optimizer, offload_param, zero_extra),
         "steps_per_print": 10**9,   # the trainer reports metrics itself
         "wall_clock_breakdown": False,
         **precision_block(precision),

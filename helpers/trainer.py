@@ -91,8 +91,8 @@ class AdvancedDeepSpeedTrainer:
     def __init__(self, train_data, *, model_size: str = "auto", n_positions: int | None = None,
                  zero_stage: int = 0, precision: str = "auto", micro_batch: int = 16, grad_accum: int = 1,
                  lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
-                 offload_optimizer: bool = False, output_dir: str | Path = "runs/trainer", name: str = "run",
-                 seed: int = 0, resume_from: str | Path | None = None):
+                 offload_optimizer: bool = False, zero_extra: dict | None = None,
+                 output_dir: str | Path = "runs/trainer", name: str = "run", seed: int = 0, resume_from: str | Path | None = None):
         self.runtime = detect()
         self.precision = self.runtime.precision if precision == "auto" else precision
         self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
@@ -106,7 +106,7 @@ class AdvancedDeepSpeedTrainer:
             micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size(), zero_stage=zero_stage,
             precision=self.precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
             grad_clip=grad_clip, offload_optimizer=offload_optimizer, torch_adam=not self.runtime.is_gpu,
-            tensorboard_dir=self.tensorboard_dir, job_name=self.job_name),
+            zero_extra=zero_extra, tensorboard_dir=self.tensorboard_dir, job_name=self.job_name),
             device=self.runtime.device, world_size=world_size())
         self.batches = ResumableBatches(train_data, micro_batch, seed, process_rank(), world_size())
         self.tokenizer, self.history = train_data.tokenizer, []
