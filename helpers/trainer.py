@@ -92,7 +92,8 @@ class AdvancedDeepSpeedTrainer:
                  zero_stage: int = 0, precision: str = "auto", micro_batch: int = 16, grad_accum: int = 1,
                  lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
                  offload_optimizer: bool = False, zero_extra: dict | None = None,
-                 output_dir: str | Path = "runs/trainer", name: str = "run", seed: int = 0, resume_from: str | Path | None = None):
+                 output_dir: str | Path = "runs/trainer", name: str = "run", seed: int = 0,
+                 resume_from: str | Path | None = None):
         self.runtime = detect()
         self.precision = self.runtime.precision if precision == "auto" else precision
         self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
