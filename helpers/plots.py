@@ -106,3 +106,45 @@ def table(rows, index: str | None = None):
         return pd.DataFrame({"value": [str(v) for v in rows.values()]}, index=list(rows))
     frame = pd.DataFrame(rows)
     return frame.set_index(index) if index else frame
+
+
+def stacked_memory(measured: dict[int, dict], predicted: dict[int, dict], unit: float = 1e6,
+                   save_dir=None, title: str = "Model states held per rank", unit_name: str = "MB"):
+    """Per ZeRO stage: measured bytes per rank (left bar) beside the formula (right bar), stacked by
+    component (params, grads, optimizer; buffers on top of the measured bar where present)."""
+    parts = ["params", "grads", "optimizer", "buffers"]
+    colours = dict(zip(parts, ["tab:blue", "tab:orange", "tab:green", "tab:gray"]))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for i, stage in enumerate(sorted(measured)):
+        for offset, source, hatch in ((-0.2, measured[stage], None), (0.2, predicted[stage], "//")):
+            bottom = 0.0
+            for part in parts:
+                value = source.get(part, 0) / unit
+                ax.bar(i + offset, value, 0.38, bottom=bottom, color=colours[part], hatch=hatch,
+                       edgecolor="white", label=part if (i == 0 and offset < 0) else None)
+                bottom += value
+    ax.set_xticks(range(len(measured)), [f"stage {s}\nmeasured | formula" for s in sorted(measured)])
+    ax.set(title=title, ylabel=f"{unit_name} per rank")
+    ax.legend()
+    return finish(fig, save_dir, "zero_memory")
+
+
+def loss_overlay(curves: dict[str, list[float]], save_dir=None, name="loss_overlay", title="Loss per step"):
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for i, (label, losses) in enumerate(curves.items()):
+        ax.plot(range(1, len(losses) + 1), losses, lw=3 - 0.5 * i, alpha=0.8, ls=["-", "--", ":", "-."][i % 4],
+                label=label)
+    ax.set(title=title, xlabel="step", ylabel="loss")
+    ax.legend()
+    return finish(fig, save_dir, name)
+
+
+def per_device_vs_ranks(rows: list[dict], save_dir=None, title="Model states per device"):
+    """Lines of bytes per device against the number of ranks, one per stage (log-log)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for stage in sorted({r["stage"] for r in rows}):
+        pts = sorted((r["ranks"], r["gb"]) for r in rows if r["stage"] == stage)
+        ax.plot(*zip(*pts), marker="o", label=f"stage {stage}")
+    ax.set(xscale="log", yscale="log", xlabel="data-parallel ranks N", ylabel="GB per device", title=title)
+    ax.legend()
+    return finish(fig, save_dir, "per_device_vs_ranks")

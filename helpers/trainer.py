@@ -134,7 +134,8 @@ class AdvancedDeepSpeedTrainer:
 
     @property
     def n_params(self) -> int:
-        return sum(p.numel() for p in self.engine.module.parameters())
+        # Under ZeRO-3 a rank's param tensors are empty placeholders; ds_numel is the full size.
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
 
     @property
     def step(self) -> int:

@@ -1,0 +1,78 @@
+"""Communication volume from DeepSpeed's comms logger, next to the ZeRO paper's prediction.
+
+DeepSpeed's logger records, per collective, the size of the tensor handed to it (`msg_size`): the
+whole tensor for all_reduce / reduce / reduce_scatter_tensor, this rank's shard for
+all_gather_into_tensor. How many bytes a rank then *sends* depends on the algorithm; with the ring
+algorithms NCCL and gloo use (the same factors as DeepSpeed's own bus-bandwidth formula):
+    all_reduce of M bytes        2 M (N-1)/N     (a reduce-scatter then an all-gather)
+    reduce_scatter of M bytes      M (N-1)/N
+    all_gather of an m-byte shard  m (N-1)
+    reduce / broadcast of M bytes  M (N-1)/N
+The ZeRO paper (Sec. 7) counts the same way: plain data parallelism moves 2Ψ per step (one all-reduce
+of the gradients), stages 1 and 2 also 2Ψ (reduce-scatter Ψ + all-gather Ψ), stage 3 3Ψ (parameters
+all-gathered in forward and again in backward, gradients reduce-scattered): 1.5x.
+"""
+from __future__ import annotations
+
+SEND_FACTOR = {  # bytes sent per logged byte, as a function of the number of ranks N
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather_into_tensor": lambda n: n - 1,
+    "all_gather": lambda n: n - 1,
+    "reduce": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+}
+PAPER_VOLUME_IN_PSI = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}   # per step, in units of Ψ elements
+
+
+def predicted_units(stage: int, accum: int, algorithm: str = "paper") -> float:
+    """Bytes a rank sends per optimizer step, in units of Ψ·bytes·(N-1)/N, with `accum` micro-batches.
+
+    Stages 0-1 reduce gradients once per step (they accumulate them locally); stages 2-3 keep only a
+    gradient shard, so they reduce after every micro-batch, and stage 3 gathers parameters for every
+    forward (and backward). "paper": reduce-scatter (1) + all-gather (1) per reduction, parameters
+    re-gathered for backward. "deepspeed": 0.19's defaults, which all-reduce (2) gradient buckets at
+    stages 1-2 and keep stage 3's gathered parameters from forward to backward. With accum = 1 the
+    paper's column reads 2, 2, 2, 3: stages 1-2 cost what plain data parallelism does, stage 3 1.5x.
+    """
+    reduce_cost = 1 if algorithm == "paper" else 2
+    units = {0: 2,                                   # one all-reduce of the gradients
+             1: reduce_cost + 1,                     # reduce the gradients, all-gather updated params
+             2: accum * reduce_cost + 1,
+             3: accum * (3 if algorithm == "paper" else 2)}
+    if algorithm not in ("paper", "deepspeed") or stage not in units:
+        raise ValueError(f"algorithm={algorithm!r} / stage={stage!r}: use 'paper' or 'deepspeed', stage 0-3")
+    return float(units[stage])
+
+
+def start_logging() -> None:
+    """Record every collective from now on (DeepSpeed's comms logger, without its per-op printing)."""
+    import deepspeed.comm as dist
+    logger = dist.comms_logger
+    logger.enabled, logger.prof_all, logger.verbose = True, True, False
+    logger.reset_data()
+
+
+def stop_logging() -> dict:
+    """Stop recording; return {op: {msg_size_bytes: count}} for what was recorded."""
+    import deepspeed.comm as dist
+    dist.comms_logger.enabled = False
+    return {op: {int(size): vals[0] for size, vals in sizes.items()}
+            for op, sizes in dist.comms_logger.get_raw_data().items()}
+
+
+def sent_bytes(logged: dict, n_ranks: int) -> dict[str, float]:
+    """Bytes this rank sent per collective type (ring algorithms), from `stop_logging()` output."""
+    if n_ranks < 2:
+        return {op: 0.0 for op in logged}
+    unknown = set(logged) - set(SEND_FACTOR)
+    if unknown:
+        raise ValueError(f"no send factor for collectives {sorted(unknown)}: add them to SEND_FACTOR")
+    return {op: SEND_FACTOR[op](n_ranks) * sum(size * count for size, count in sizes.items())
+            for op, sizes in logged.items()}
+
+
+def paper_sent_bytes(n_params: int, n_ranks: int, stage: int, bytes_per_element: int) -> float:
+    """The paper's per-step volume for one rank: 2Ψ or 3Ψ elements, times the ring's (N-1)/N."""
+    return PAPER_VOLUME_IN_PSI[stage] * n_params * bytes_per_element * (n_ranks - 1) / n_ranks

@@ -1,0 +1,116 @@
+"""One rank of the ZeRO comparison (notebook 04): train the same model on the same data at one ZeRO
+stage and record what this rank holds, how long steps take, the losses, and what it communicated.
+
+Run on N ranks by `helpers.launch.launch("helpers.experiments.zero_stages", N, ["--stage", "2"], ...)`.
+Every rank builds the identical model (same seed) and reads its own shard of the same data order.
+"""
+import argparse
+import time
+
+import torch
+
+from helpers import comms, memory
+from helpers.data import SyntheticTextDataset
+from helpers.launch import write_result
+from helpers.metrics import memory_mb
+from helpers.trainer import MODEL_SIZES, AdvancedDeepSpeedTrainer, gpt2_param_count
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--model-size", default="tiny")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2, help=">= 2: see helpers.memory.measure_held")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paper-comm", action="store_true",
+                   help="configure ZeRO-2/3 communication as the paper describes it (see notebook 04)")
+    return p.parse_args(argv)
+
+
+# DeepSpeed's defaults differ from the paper's algorithm in two places (measured in notebook 04):
+# ZeRO-1/2 average gradients with all-reduce buckets (use_multi_rank_bucket_allreduce) instead of
+# reducing each partition to its owner, and ZeRO-3 keeps gathered parameters alive from forward to
+# backward (max_reuse_distance) instead of gathering them again. These switch to the paper's way.
+PAPER_COMM = {1: {"use_multi_rank_bucket_allreduce": False}, 2: {"use_multi_rank_bucket_allreduce": False},
+              3: {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0}}
+
+
+def main(argv=None):
+    a = parse(argv)
+    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
+    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+    trainer = AdvancedDeepSpeedTrainer(
+        data, model_size=a.model_size, zero_stage=a.stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
+        lr=a.lr, warmup_steps=2, total_steps=a.steps, seed=a.seed, output_dir=f"{a.out}/stage{a.stage}",
+        zero_extra={**memory.measurement_zero_extra(n_params), **(PAPER_COMM.get(a.stage, {}) if a.paper_comm else {})})
+    trainer.train(1, progress=False)             # warm-up: buffers allocated, optimizer state created
+    held = memory.measure_held(trainer)          # model states while gradients accumulate (one step)
+    comms.start_logging()
+    trainer.train(1, progress=False)             # one step's collectives, logged
+    logged = comms.stop_logging()
+    start = time.perf_counter()
+    history = trainer.train(a.steps - 2, progress=False)
+    world = trainer.engine.world_size
+    write_result(a.out, {
+        "stage": a.stage, "world_size": world, "n_params": n_params, "precision": trainer.precision,
+        "held_bytes": held, "zero2_overhang_bytes": memory.zero2_overhang_bytes(trainer.engine), "peak_memory_mb": memory_mb(trainer.runtime.device),
+        "step_s": [m["step_s"] for m in history], "seconds": time.perf_counter() - start,
+        "losses": [m["loss"] for m in trainer.history], "comm_logged": logged,
+        "comm_sent_bytes": comms.sent_bytes(logged, world)})
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ---- the notebook's side: launch the stages and turn per-rank results into tables ----
+
+def run(n_ranks: int, stages=(0, 1, 2, 3), out_dir=".", paper_comm: bool = False, **options) -> dict[int, list]:
+    """Launch each stage on n_ranks (one launch per stage, so each gets a clean process and peak)."""
+    from pathlib import Path
+    from helpers.launch import launch
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + (["--paper-comm"] if paper_comm else [])
+    tag = "paper" if paper_comm else "default"
+    return {s: launch(__name__, n_ranks, ["--stage", str(s), *args], out_dir=Path(out_dir) / f"stage{s}-{tag}")
+            for s in stages}
+
+
+def memory_rows(results: dict[int, list]) -> list[dict]:
+    """Per stage and rank: measured bytes per component beside the formula at this N and precision.
+    ZeRO-2's gradients are shown without the boundary overhang (whole gradients of parameters a
+    partition boundary cuts through), which is reported in its own column."""
+    rows = []
+    for stage, ranks in results.items():
+        for r in ranks:
+            sizes = memory.bytes_per_param(r["precision"], stage)
+            formula = memory.zero_model_states(r["n_params"], r["world_size"], stage, *sizes)
+            held = dict(r["held_bytes"], grads=r["held_bytes"]["grads"] - r["zero2_overhang_bytes"])
+            rows.append({"stage": stage, "rank": r["rank"], **{f"{k} measured": held[k] for k in
+                         ("params", "grads", "optimizer")}, **{f"{k} formula": formula[k] for k in
+                         ("params", "grads", "optimizer")}, "boundary grads": r["zero2_overhang_bytes"],
+                         "buffers": held["buffers"]})
+    return rows
+
+
+def comm_rows(default: dict[int, list], paper: dict[int, list], accum: int) -> list[dict]:
+    """Per stage and algorithm: bytes rank 0 sent in one optimizer step, measured vs predicted."""
+    rows = []
+    for algorithm, results in (("deepspeed", default), ("paper", paper)):
+        for stage, ranks in results.items():
+            r = ranks[0]
+            unit = r["n_params"] * memory.bytes_per_param(r["precision"], stage)[1] * (r["world_size"] - 1) / r["world_size"]
+            measured = sum(r["comm_sent_bytes"].values())
+            rows.append({"stage": stage, "algorithm": algorithm, "measured MB": measured / 1e6,
+                         "predicted MB": comms.predicted_units(stage, accum, algorithm) * unit / 1e6,
+                         "measured / stage-0": None, "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
+    base = next(row["measured MB"] for row in rows if row["stage"] == 0)
+    for row in rows:
+        row["measured / stage-0"] = row["measured MB"] / base
+    return rows

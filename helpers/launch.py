@@ -1,0 +1,179 @@
+"""Run an experiment module on N local ranks from a notebook and get each rank's result back as data.
+
+A notebook process can be only one rank, so multi-rank experiments (ZeRO partitioning, pipeline,
+MoE) run as `python -m <module> --out OUT_DIR ...` under a launcher. Each rank calls `write_result`;
+`launch` waits, then returns the results ordered by rank, or raises `RankFailedError` carrying the
+failing rank's own log. Per-rank logs stay in OUT_DIR/logs; the launcher's own output is in
+OUT_DIR/logs/launcher.log.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from helpers.runtime import free_port, process_rank
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The notebook's own 1-rank group sets these. Both launchers overwrite them for their ranks today;
+# removing them makes sure no rank can ever join the notebook's group or reuse the port it holds.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankFailedError(RuntimeError):
+    """A rank crashed, hung past the timeout, or wrote no result. `.log` is the tail of its output."""
+
+    def __init__(self, message: str, rank: int | None, returncode: int | None, log: str):
+        super().__init__(message)
+        self.rank, self.returncode, self.log = rank, returncode, log
+
+
+def write_result(out_dir, result: dict) -> Path:
+    """Inside a rank: save this rank's json-serialisable result as OUT_DIR/rank{RANK}.json."""
+    path = Path(out_dir) / f"rank{process_rank()}.json"
+    text = json.dumps(result)   # serialise first: a bad value must not leave half a file behind
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def read_results(out_dir, n_ranks: int) -> list[dict]:
+    """Every rank's result, ordered by rank, each with its "rank" added."""
+    return [{**json.loads((Path(out_dir) / f"rank{r}.json").read_text()), "rank": r} for r in range(n_ranks)]
+
+
+def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir: str | Path,
+           timeout: float = 600, launcher: str = "torchrun") -> list[dict]:
+    """Run `python -m module --out OUT_DIR *args` on n_ranks local processes; return each rank's result dict, ordered by rank.
+
+    launcher="torchrun" uses `torch.distributed.run`; launcher="deepspeed" uses DeepSpeed's own
+    launcher (`deepspeed --num_gpus N --no_local_rank`), which also works on a CPU-only machine.
+    Raises RankFailedError naming the rank that failed, with its traceback; on timeout, after
+    killing every process the launch started.
+    """
+    _validate(module, n_ranks, launcher)
+    out = Path(out_dir).resolve()
+    shutil.rmtree(out / "logs", ignore_errors=True)   # an earlier run's files must never pass for this one's
+    for stale in out.glob("rank*.json"):
+        stale.unlink()
+    (out / "logs").mkdir(parents=True)
+    port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it
+    cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]
+    returncode = _run(cmd, _child_env(n_ranks), out / "logs" / "launcher.log", timeout)
+    _raise_if_failed(returncode, out, n_ranks, launcher, timeout)
+    return read_results(out, n_ranks)
+
+
+LAUNCHERS = {   # (module, n_ranks, port, log dir) -> the command line, before "--out OUT_DIR ARGS"
+    # --redirects 3: each rank's stdout and stderr go to LOGS/<run id>/attempt_0/<rank>/std{out,err}.log
+    "torchrun": lambda module, n, port, logs: [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr",
+        "127.0.0.1", "--master_port", port, "--log-dir", str(logs), "--redirects", "3", "-m", module],
+    # --no_local_rank: the module need not parse --local_rank; each rank logs to LOGS/<time>_rank<N>.log
+    "deepspeed": lambda module, n, port, logs: [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(n), "--num_nodes", "1",
+        "--master_addr", "127.0.0.1", "--master_port", port, "--no_local_rank",
+        "--enable_each_rank_log", str(logs), "--module", module],
+}
+
+
+def _validate(module: str, n_ranks: int, launcher: str) -> None:
+    """Fail in the notebook, before any process starts, on the mistakes that are easy to make."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}, got {launcher!r}")
+    if not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"n_ranks must be an integer >= 1, got n_ranks={n_ranks!r}")
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:   # a missing parent package raises instead of returning None
+        found = False
+    if not found:
+        raise ModuleNotFoundError(f"experiment module {module!r} is not importable (check the name and sys.path)")
+
+
+def _run(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> int | None:
+    """The launcher's exit code, or None when it ran past the timeout (everything is then killed)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)   # its own group, so killpg reaches only it
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:   # on a timeout, or an interrupted notebook cell, no rank may outlive this call
+            if proc.poll() is None:
+                _kill_tree(proc)
+
+
+def _raise_if_failed(returncode: int | None, out: Path, n_ranks: int, launcher: str, timeout: float) -> None:
+    logs = out / "logs"
+    missing = [r for r in range(n_ranks) if not (out / f"rank{r}.json").exists()]
+    if returncode is None:
+        log = _all_tails(logs, n_ranks, launcher)
+        raise RankFailedError(f"timed out after {timeout:g} s, all ranks killed; ranks without a result: "
+                              f"{missing} (logs in {logs})\n{log}", missing[0] if len(missing) == 1 else None, None, log)
+    if returncode != 0:
+        rank = _first_traceback_rank(logs, n_ranks, launcher)
+        log = _all_tails(logs, n_ranks, launcher) if rank is None else _tail(_rank_logs(logs, rank, launcher))
+        who = "a rank (none printed a traceback)" if rank is None else f"rank {rank}"
+        raise RankFailedError(f"{who} failed, launcher exit code {returncode} (logs in {logs})\n{log}",
+                              rank, returncode, log)
+    if missing:
+        log = _tail(_rank_logs(logs, missing[0], launcher))
+        raise RankFailedError(f"rank {missing[0]} exited 0 but wrote no {out}/rank{missing[0]}.json "
+                              f"(did it call write_result?)\n{log}", missing[0], 0, log)
+
+
+def _child_env(n_ranks: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # N ranks each starting one thread per core would oversubscribe the CPU N times over.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_ranks)))
+    return env
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process below it. torchrun starts each rank in a session of
+    its own, so killing the launcher's process group alone would leave the ranks running."""
+    children = psutil.Process(proc.pid).children(recursive=True)   # before their parent dies
+    os.killpg(proc.pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    proc.wait()
+    psutil.wait_procs(children, timeout=5)   # SIGKILL is asynchronous: return once they are gone
+
+
+def _rank_logs(logs: Path, rank: int, launcher: str) -> list[Path]:
+    pattern = f"*/attempt_*/{rank}/std*.log" if launcher == "torchrun" else f"*_rank{rank}.log"
+    return sorted(logs.glob(pattern), reverse=True)   # stdout before stderr, where the traceback is
+
+
+def _tail(paths: list[Path], lines: int = 40) -> str:
+    text = "".join(p.read_text(errors="replace") for p in paths)
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _all_tails(logs: Path, n_ranks: int, launcher: str, lines: int = 10) -> str:
+    parts = [f"--- rank {r} ---\n{_tail(_rank_logs(logs, r, launcher), lines)}" for r in range(n_ranks)]
+    return "\n".join(parts + [f"--- launcher ---\n{_tail([logs / 'launcher.log'], lines)}"])
+
+
+def _first_traceback_rank(logs: Path, n_ranks: int, launcher: str) -> int | None:
+    """The rank whose traceback was written first. When one rank dies its peers fail too ("Connection
+    closed by peer"), but only after it exited, so the earliest traceback is the root cause."""
+    written = {}
+    for r in range(n_ranks):
+        times = [p.stat().st_mtime_ns for p in _rank_logs(logs, r, launcher)
+                 if "Traceback (most recent call last)" in p.read_text(errors="replace")]
+        if times:
+            written[r] = min(times)
+    return min(written, key=written.get) if written else None

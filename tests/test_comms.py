@@ -1,0 +1,34 @@
+"""Communication volume: ring send factors and the ZeRO paper's per-stage prediction."""
+import pytest
+
+from helpers.comms import paper_sent_bytes, predicted_units, sent_bytes
+
+
+def test_all_reduce_sends_twice_the_tensor_times_n_minus_1_over_n():
+    assert sent_bytes({"all_reduce": {1000: 3}}, 4)["all_reduce"] == pytest.approx(3 * 2 * 1000 * 3 / 4)
+
+
+def test_zero2_as_in_the_paper_equals_data_parallel():
+    psi_bytes, n = 4_000, 2
+    data_parallel = sent_bytes({"all_reduce": {psi_bytes: 1}}, n)
+    # reduce-scatter the gradients (whole tensor logged), all-gather the updated shard (shard logged)
+    zero2 = sent_bytes({"reduce_scatter_tensor": {psi_bytes: 1}, "all_gather_into_tensor": {psi_bytes // n: 1}}, n)
+    assert sum(zero2.values()) == pytest.approx(data_parallel["all_reduce"])
+    assert data_parallel["all_reduce"] == pytest.approx(paper_sent_bytes(1_000, n, 0, 4))
+
+
+def test_zero3_is_one_and_a_half_times_data_parallel():
+    assert paper_sent_bytes(10, 8, 3, 2) / paper_sent_bytes(10, 8, 0, 2) == pytest.approx(1.5)
+
+
+def test_single_rank_sends_nothing_and_unknown_ops_are_refused():
+    assert sent_bytes({"all_reduce": {100: 1}}, 1) == {"all_reduce": 0.0}
+    with pytest.raises(ValueError, match="all_to_all"):
+        sent_bytes({"all_to_all": {100: 1}}, 2)
+
+
+def test_predicted_units_reduce_to_the_paper_at_one_micro_batch():
+    assert [predicted_units(s, accum=1) for s in range(4)] == [2, 2, 2, 3]
+    assert [predicted_units(s, accum=2, algorithm="deepspeed") for s in range(4)] == [2, 3, 5, 4]
+    with pytest.raises(ValueError, match="stage=7"):
+        predicted_units(7, 1)

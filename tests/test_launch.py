@@ -1,0 +1,89 @@
+"""helpers.launch: N real ranks on this machine, their results back as data, failures named."""
+import json
+import socket
+import time
+
+import psutil
+import pytest
+
+from helpers.launch import RankFailedError, launch
+
+ECHO = "helpers.experiments.echo"
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory):
+    """One 2-rank echo run, launched from a process that looks like a 1-rank job on a busy port
+    (as a notebook kernel does), with stale results from an 'earlier run' in the folder."""
+    out = tmp_path_factory.mktemp("echo")
+    (out / "rank0.json").write_text(json.dumps({"stale": True}))
+    (out / "rank5.json").write_text(json.dumps({"stale": True}))
+    with socket.socket() as busy, pytest.MonkeyPatch.context() as mp:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+            mp.setenv(key, value)
+        results = launch(ECHO, 2, out_dir=out, timeout=120)
+    return out, port, results
+
+
+def test_results_come_back_ordered_by_rank(hostile_run):
+    _, _, results = hostile_run
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 and r["sum"] == 3 for r in results)   # all_reduce of 1 + 2
+    assert results[0]["pid"] != results[1]["pid"]
+
+
+def test_parent_distributed_env_is_not_inherited(hostile_run):
+    _, busy_port, results = hostile_run
+    assert results[0]["master_port"] == results[1]["master_port"] != busy_port
+
+
+def test_stale_results_are_removed(hostile_run):
+    out, _, results = hostile_run
+    assert not (out / "rank5.json").exists()
+    assert not any("stale" in r for r in results)
+
+
+def test_failing_rank_is_named_with_its_traceback(tmp_path):
+    with pytest.raises(RankFailedError) as info:
+        launch(ECHO, 2, ["--fail-rank", "1"], out_dir=tmp_path, timeout=120)
+    assert info.value.rank == 1
+    assert "deliberate failure on rank 1" in str(info.value)
+    assert "deliberate failure on rank 1" in info.value.log
+
+
+def test_timeout_kills_every_rank(tmp_path):
+    start = time.perf_counter()
+    with pytest.raises(RankFailedError, match="timed out after 10 s"):
+        launch(ECHO, 2, ["--sleep", "60"], out_dir=tmp_path, timeout=10)
+    assert time.perf_counter() - start < 40
+    survivors = [p for p in psutil.process_iter(["cmdline", "status"])
+                 if str(tmp_path) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+    assert survivors == []
+
+
+def test_rank_that_writes_no_result_is_named(tmp_path):
+    with pytest.raises(RankFailedError, match=r"rank 0 exited 0 but wrote no") as info:
+        launch("tests.rank_programs.silent", 1, out_dir=tmp_path, timeout=120)
+    assert "finished without writing a result" in info.value.log
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"module": ECHO, "n_ranks": 0}, "n_ranks=0"),
+    ({"module": "helpers.experiments.no_such_experiment", "n_ranks": 2}, "no_such_experiment"),
+    ({"module": "no_such_package.experiment", "n_ranks": 2}, "no_such_package"),
+    ({"module": ECHO, "n_ranks": 2, "launcher": "mpirun"}, "mpirun"),
+])
+def test_bad_inputs_fail_before_anything_starts(tmp_path, kwargs, problem):
+    out = tmp_path / "never_created"
+    with pytest.raises((ValueError, ModuleNotFoundError), match=problem):
+        launch(**kwargs, out_dir=out)
+    assert not out.exists()
+
+
+def test_deepspeed_launcher_works_on_cpu(tmp_path):
+    results = launch(ECHO, 2, out_dir=tmp_path, timeout=120, launcher="deepspeed")
+    assert [(r["rank"], r["sum"]) for r in results] == [(0, 3), (1, 3)]
