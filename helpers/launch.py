@@ -54,6 +54,8 @@ def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir:
            timeout: float = 600, launcher: str = "torchrun") -> list[dict]:
     """Run `python -m module --out OUT_DIR *args` on n_ranks local processes; return each rank's result dict, ordered by rank.
 
+    Each rank gets its own GPU when there are at least n_ranks of them; otherwise every rank runs on
+    the CPU with gloo (a single Colab GPU cannot host two ranks).
     launcher="torchrun" uses `torch.distributed.run`; launcher="deepspeed" uses DeepSpeed's own
     launcher (`deepspeed --num_gpus N --no_local_rank`), which also works on a CPU-only machine.
     Raises RankFailedError naming the rank that failed, with its traceback; on timeout, after
@@ -137,7 +139,16 @@ def _child_env(n_ranks: int) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     # N ranks each starting one thread per core would oversubscribe the CPU N times over.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_ranks)))
+    if gpu_count() < n_ranks:
+        # One GPU cannot host two NCCL ranks (e.g. Colab's single T4): run every rank on the CPU
+        # with gloo instead, where ZeRO, pipeline and MoE partitioning still really happen.
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     return env
+
+
+def gpu_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

@@ -1,11 +1,11 @@
-"""One rank of the ZeRO comparison (notebook 04): train the same model on the same data at one ZeRO
-stage and record what this rank holds, how long steps take, the losses, and what it communicated.
+"""One rank of the ZeRO comparison (notebook 04): train the same model on the same data at each ZeRO
+stage in turn and record what this rank holds, how long steps take, the losses, and what it sent.
 
-Run on N ranks by `helpers.launch.launch("helpers.experiments.zero_stages", N, ["--stage", "2"], ...)`.
-Every rank builds the identical model (same seed) and reads its own shard of the same data order.
+Run on N ranks by `run(N, stages=(0, 1, 2, 3))` below (one launch: starting N processes costs more
+than a stage's training). Every rank builds the identical model (same seed) and reads its own shard
+of the same data order.
 """
 import argparse
-import time
 
 import torch
 
@@ -19,7 +19,7 @@ from helpers.trainer import MODEL_SIZES, AdvancedDeepSpeedTrainer, gpt2_param_co
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
-    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--stages", type=int, nargs="+", required=True, help="run one after another")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
@@ -40,29 +40,39 @@ PAPER_COMM = {1: {"use_multi_rank_bucket_allreduce": False}, 2: {"use_multi_rank
               3: {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0}}
 
 
-def main(argv=None):
-    a = parse(argv)
-    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
-    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
-    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+def run_stage(a, stage: int, data, n_params: int) -> dict:
+    """Train at one ZeRO stage; return what this rank held, sent, and how its steps went."""
+    extra = {**memory.measurement_zero_extra(n_params), **(PAPER_COMM.get(stage, {}) if a.paper_comm else {})}
     trainer = AdvancedDeepSpeedTrainer(
-        data, model_size=a.model_size, zero_stage=a.stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
-        lr=a.lr, warmup_steps=2, total_steps=a.steps, seed=a.seed, output_dir=f"{a.out}/stage{a.stage}",
-        zero_extra={**memory.measurement_zero_extra(n_params), **(PAPER_COMM.get(a.stage, {}) if a.paper_comm else {})})
+        data, model_size=a.model_size, zero_stage=stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
+        lr=a.lr, warmup_steps=2, total_steps=a.steps, seed=a.seed, output_dir=f"{a.out}/stage{stage}",
+        zero_extra=extra)
+    if trainer.runtime.is_gpu:
+        torch.cuda.reset_peak_memory_stats()
     trainer.train(1, progress=False)             # warm-up: buffers allocated, optimizer state created
     held = memory.measure_held(trainer)          # model states while gradients accumulate (one step)
     comms.start_logging()
     trainer.train(1, progress=False)             # one step's collectives, logged
     logged = comms.stop_logging()
-    start = time.perf_counter()
     history = trainer.train(a.steps - 2, progress=False)
     world = trainer.engine.world_size
-    write_result(a.out, {
-        "stage": a.stage, "world_size": world, "n_params": n_params, "precision": trainer.precision,
-        "held_bytes": held, "zero2_overhang_bytes": memory.zero2_overhang_bytes(trainer.engine), "peak_memory_mb": memory_mb(trainer.runtime.device),
-        "step_s": [m["step_s"] for m in history], "seconds": time.perf_counter() - start,
-        "losses": [m["loss"] for m in trainer.history], "comm_logged": logged,
-        "comm_sent_bytes": comms.sent_bytes(logged, world)})
+    result = {
+        "stage": stage, "world_size": world, "n_params": n_params, "precision": trainer.precision,
+        "held_bytes": held, "zero2_overhang_bytes": memory.zero2_overhang_bytes(trainer.engine),
+        # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
+        "peak_memory_mb": memory_mb("cuda") if trainer.runtime.is_gpu else None,
+        "step_s": [m["step_s"] for m in history], "losses": [m["loss"] for m in trainer.history],
+        "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world)}
+    trainer.engine.destroy()   # release hooks and buffers before the next stage's engine
+    return result
+
+
+def main(argv=None):
+    a = parse(argv)
+    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
+    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+    write_result(a.out, {"stages": [run_stage(a, s, data, n_params) for s in a.stages]})
     torch.distributed.barrier()
 
 
@@ -73,13 +83,13 @@ if __name__ == "__main__":
 # ---- the notebook's side: launch the stages and turn per-rank results into tables ----
 
 def run(n_ranks: int, stages=(0, 1, 2, 3), out_dir=".", paper_comm: bool = False, **options) -> dict[int, list]:
-    """Launch each stage on n_ranks (one launch per stage, so each gets a clean process and peak)."""
+    """Run the stages on n_ranks in one launch; return {stage: [result of rank 0, rank 1, ...]}."""
     from pathlib import Path
     from helpers.launch import launch
     args = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + (["--paper-comm"] if paper_comm else [])
-    tag = "paper" if paper_comm else "default"
-    return {s: launch(__name__, n_ranks, ["--stage", str(s), *args], out_dir=Path(out_dir) / f"stage{s}-{tag}")
-            for s in stages}
+    ranks = launch(__name__, n_ranks, ["--stages", *map(str, stages), *args],
+                   out_dir=Path(out_dir) / ("paper" if paper_comm else "default"))
+    return {s: [{**r["stages"][i], "rank": r["rank"]} for r in ranks] for i, s in enumerate(stages)}
 
 
 def memory_rows(results: dict[int, list]) -> list[dict]:
