@@ -39,12 +39,12 @@ class ResumableBatches:
 
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "micro_batch": self.micro_batch,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "n_samples": len(self.tokens)}
 
     def load_state_dict(self, state: dict) -> None:
         mine = {k: v for k, v in self.state_dict().items() if k != "position"}
         saved = {k: state[k] for k in mine}
         if saved != mine:
             raise ValueError(f"checkpoint's data order {saved} differs from this run's {mine}: "
-                             "resume with the same seed, micro_batch and number of ranks")
+                             "resume with the same seed, micro_batch, number of ranks and dataset size")
         self.position = state["position"]

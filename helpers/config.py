@@ -97,6 +97,7 @@ def validate(config: dict, *, device: str, world_size: int = 1) -> dict:
     check_batch_sizes(config, world_size)
     check_zero(config.get("zero_optimization", {}))
     check_precision(config, device)
+    check_zero_plus_plus(config.get("zero_optimization", {}), device)
     check_optimizer(config)
     return config
 
@@ -139,6 +140,19 @@ def check_zero(zero: dict) -> None:
         raise ConfigError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
     if "offload_param" in zero and stage != 3:
         raise ConfigError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
+
+
+ZERO_PLUS_PLUS = ("zero_quantized_gradients", "zero_quantized_weights", "zero_hpz_partition_size")
+
+
+def check_zero_plus_plus(zero: dict, device: str) -> None:
+    """ZeRO++ quantized communication has CUDA kernels only: DeepSpeed fails on a CPU mid-training."""
+    used = [k for k in ZERO_PLUS_PLUS[:2] if zero.get(k)]
+    if zero.get("zero_hpz_partition_size", 1) > 1:   # hierarchical partitioning; 1 means off
+        used.append("zero_hpz_partition_size")
+    if used and device == "cpu":
+        raise ConfigError(f"zero_optimization.{used[0]} (ZeRO++) is not implemented on a CPU: it needs a CUDA GPU; "
+                          "remove it, or use communication_data_type for cheaper communication on a CPU")
 
 
 def check_precision(config: dict, device: str) -> None:

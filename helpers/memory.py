@@ -203,3 +203,18 @@ def measure_held(trainer) -> dict:
             held = held_bytes(engine)
         engine.step()   # only the last micro-batch's call updates the weights
     return held
+
+
+def gpt2_table(n_ranks_list=(1, 8, 64)) -> list[dict]:
+    """GB per device for GPT-2 sizes (bf16 + Adam, paper formula) beside DeepSpeed's estimators."""
+    rows = []
+    for size in gpt2_sizes():
+        for n in n_ranks_list:
+            row = {"model": size["name"], "params (M)": round(size["params"] / 1e6), "GPUs": n}
+            for stage in (0, 1, 2, 3):
+                row[f"stage {stage} GB"] = round(zero_model_states(size["params"], n, stage)["total"] / GB, 2)
+            for stage in (2, 3):
+                est = deepspeed_estimate(size["params"], n, stage, size["largest_layer_params"])
+                row[f"DeepSpeed est. stage {stage} GB"] = round(est["gpu_bytes"] / GB, 2)
+            rows.append(row)
+    return rows

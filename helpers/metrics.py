@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 
-def memory_mb(device: str) -> float:
+def memory_mib(device: str) -> float:
     """Peak memory so far in MiB: the CUDA allocator's peak on a GPU, the process's peak resident
     set (RAM actually used, from the kernel's own accounting) on a CPU."""
     if device == "cuda":

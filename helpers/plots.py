@@ -75,7 +75,7 @@ def training_curves(scalars: dict, floor: float, ln_vocab: float, save_dir=None)
     """Loss (with the floor and ln V), learning rate, gradient norm, throughput and memory, from TensorBoard."""
     panels = [("train/loss", "loss (nats/token)"), ("train/lr", "learning rate"),
               ("train/grad_norm", "gradient norm (before clipping)"), ("train/tokens_per_s", "tokens/s"),
-              ("train/memory_mb", "peak memory (MiB)")]
+              ("train/memory_mib", "peak memory (MiB)")]
     fig, axes = plt.subplots(1, 5, figsize=(16, 3.2))
     for ax, (tag, label) in zip(axes, panels):
         steps, values = scalars[tag]

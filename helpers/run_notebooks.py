@@ -1,6 +1,7 @@
 """Run the whole tutorial headless: execute every notebook in order, as a reader would.
 
     python -m helpers.run_notebooks               # executed copies -> runs/executed/, plots -> runs/<notebook>/figures/
+                                                  # (runs/ is $TUTORIAL_RUN_DIR when set)
     python -m helpers.run_notebooks --only 03     # one notebook
     python -m helpers.run_notebooks --in-place    # refresh the outputs stored in notebooks/ (maintainers)
 """
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+
+from helpers.runtime import run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -34,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", help="run only notebooks whose name starts with this, e.g. 03")
     parser.add_argument("--in-place", action="store_true", help="overwrite notebooks/ with the executed copies")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "executed")
+    parser.add_argument("--out", type=Path, default=None, help="default: $TUTORIAL_RUN_DIR/executed or runs/executed")
     args = parser.parse_args(argv)
+    args.out = args.out or run_dir("executed")
     paths = sorted(p for p in NOTEBOOKS.glob("[0-9]*.ipynb") if not args.only or p.name.startswith(args.only))
     if not paths:
         raise SystemExit(f"no notebook in {NOTEBOOKS} starts with {args.only!r}")
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"running {path.name} ...", flush=True)
         print(f"  done in {execute(path, out):.0f} s -> {out}", flush=True)
     print(f"\nExecuted notebooks: {NOTEBOOKS if args.in_place else args.out}\n"
-          f"Plots and run files: {ROOT / 'runs'}/<notebook>/ (figures/, tensorboard/, checkpoints/)")
+          f"Plots and run files: {args.out.parent}/<notebook>/ (figures/, tensorboard/, checkpoints/)")
 
 
 if __name__ == "__main__":

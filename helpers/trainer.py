@@ -11,8 +11,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from . import config as ds_config
 from .batches import ResumableBatches
-from .metrics import memory_mb
-from .runtime import detect, init_single_process, process_rank, quiet_deepspeed, seed_everything, world_size
+from .metrics import memory_mib
+from .runtime import (detect, init_single_process, process_rank, quiet_deepspeed, run_dir, seed_everything,
+                      world_size)
 
 # (layers, hidden size, attention heads). "gpt2" is the body of GPT-2 small (124M with its vocab).
 MODEL_SIZES = {"tiny": (2, 128, 4), "small": (4, 256, 4), "base": (6, 384, 6), "gpt2": (12, 768, 12)}
@@ -31,8 +32,8 @@ def auto_model_size(runtime) -> str:
 
 def build_model(vocab_size: int, n_positions: int, size: str = "tiny", pad_token_id: int | None = None,
                 seed: int = 0) -> GPT2LMHeadModel:
-    """A randomly initialised GPT-2 from a config (nothing downloaded). Dropout is off: the synthetic
-    source never repeats a sample, and it keeps runs bitwise repeatable."""
+    """A randomly initialised GPT-2 from a config (nothing downloaded). Dropout is off: it keeps runs
+    bitwise repeatable, and the held-out loss (fresh samples) shows whether seeing a sample twice hurts."""
     if size not in MODEL_SIZES:
         raise ValueError(f"model_size={size!r} is not one of {sorted(MODEL_SIZES)} (or 'auto')")
     n_layer, n_embd, n_head = MODEL_SIZES[size]
@@ -92,7 +93,7 @@ class AdvancedDeepSpeedTrainer:
                  zero_stage: int = 0, precision: str = "auto", micro_batch: int = 16, grad_accum: int = 1,
                  lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
                  offload_optimizer: bool = False, zero_extra: dict | None = None,
-                 output_dir: str | Path = "runs/trainer", name: str = "run", seed: int = 0,
+                 output_dir: str | Path | None = None, name: str = "run", seed: int = 0,
                  resume_from: str | Path | None = None):
         self.runtime = detect()
         self.precision = self.runtime.precision if precision == "auto" else precision
@@ -100,7 +101,8 @@ class AdvancedDeepSpeedTrainer:
         self.seq_len, self.n_positions = train_data.seq_len, n_positions or train_data.seq_len
         self._check_model(model_size)
         resume_dir = find_checkpoint(resume_from) if resume_from is not None else None
-        self.output_dir, self.name, self.grad_accum = Path(output_dir), name, grad_accum
+        self.output_dir = Path(output_dir) if output_dir is not None else run_dir("trainer")
+        self.name, self.grad_accum = name, grad_accum
         self.tensorboard_dir = self.output_dir / "tensorboard"
         self.job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
         self.config = ds_config.validate(ds_config.build_config(
@@ -166,10 +168,10 @@ class AdvancedDeepSpeedTrainer:
         seconds = time.perf_counter() - start
         norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         tokens = ids.numel() * self.grad_accum * self.engine.world_size
-        return {"step": self.step, "loss": loss, "lr": lr,
+        return {"step": self.step, "loss": loss, "lr": lr, "skipped_steps": self.engine.skipped_steps,
                 "grad_norm": float(norm) if norm is not None else float("nan"),
                 "tokens_per_s": tokens / seconds, "step_s": seconds,
-                "memory_mb": memory_mb(self.runtime.device)}
+                "memory_mib": memory_mib(self.runtime.device)}
 
     def _engine_drops_grad_norm(self) -> bool:
         """At ZeRO 0 in fp32 DeepSpeed clips with torch's clip_grad_norm_ but throws the norm away
@@ -236,5 +238,5 @@ class AdvancedDeepSpeedTrainer:
         tokens = sum(m["tokens_per_s"] * m["step_s"] for m in steady)
         seconds = sum(m["step_s"] for m in steady)
         return {"steps": len(self.history), "final_loss": self.history[-1]["loss"],
-                "tokens_per_s": tokens / seconds, "peak_memory_mb": max(m["memory_mb"] for m in steady),
+                "tokens_per_s": tokens / seconds, "peak_memory_mib": max(m["memory_mib"] for m in steady),
                 "params": self.n_params, "precision": self.precision, "model_size": self.model_size}

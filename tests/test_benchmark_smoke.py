@@ -25,9 +25,9 @@ def test_benchmark_runs_and_contenders_agree(tmp_path, restore_threads):
     assert set(saved["contenders"]) == {"plain", "ds0"}
     assert saved["matmul_flops"] > 0 and saved["flops_per_token"] > 0
     for name, row in saved["contenders"].items():
-        assert {"tokens_per_s", "tokens_per_s_rounds", "vs_plain", "mfu", "state_mb", "final_loss",
+        assert {"tokens_per_s", "tokens_per_s_rounds", "vs_plain", "mfu", "state_mib", "final_loss",
                 "losses", "max_loss_diff_first_steps", "max_lr_diff"} <= set(row), name
-        assert row["tokens_per_s"] > 0 and row["mfu"] > 0 and row["state_mb"] > 0
+        assert row["tokens_per_s"] > 0 and row["mfu"] > 0 and row["state_mib"] > 0
         assert len(row["losses"]) == 3 * 2   # warm-up block + one round
     ds0, plain = saved["contenders"]["ds0"], saved["contenders"]["plain"]
     assert abs(ds0["losses"][0] - plain["losses"][0]) < 1e-5    # same init, same first batch

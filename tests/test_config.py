@@ -51,6 +51,8 @@ def test_deepspeed_accepts_the_built_config():
      "offload_optimizer"),
     (lambda c: c["scheduler"]["params"].update(total_num_steps=1), "cpu", 1, "total_num_steps=1"),
     (lambda c: c["scheduler"]["params"].update(warmup_num_steps=0), "cpu", 1, "warmup_num_steps=0"),
+    (lambda c: c["zero_optimization"].update(stage=3, zero_quantized_weights=True), "cpu", 1,
+     "zero_optimization.zero_quantized_weights"),
     (lambda c: c.update(gradient_clipping=-1.0), "cpu", 1, "gradient_clipping=-1.0"),
 ])
 def test_bad_config_names_the_field(mutate, device, world, field):
@@ -69,3 +71,9 @@ def test_unknown_precision_is_refused():
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_json(tmp_path / "nope.json")
+
+
+def test_zero_plus_plus_is_fine_on_a_gpu():
+    cfg = good(zero_stage=3)
+    cfg["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True)
+    assert validate(cfg, device="cuda") is cfg

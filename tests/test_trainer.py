@@ -70,3 +70,11 @@ def test_generate_returns_known_words(data, tmp_path):
     model = build_model(data.vocab_size, data.seq_len, "tiny", data.tokenizer.pad_token_id)
     text = generate(model, data.tokenizer, data.source.words[0], max_new_tokens=10)
     assert len(text.split()) == 11 and all(w in data.source.index for w in text.split())
+
+
+def test_resume_with_a_different_dataset_size_is_refused(data, tmp_path):
+    from helpers.batches import ResumableBatches
+    saved = ResumableBatches(data, 8, seed=0).state_dict()
+    smaller = SyntheticTextDataset("markov", n_samples=128, seq_len=32, seed=0, tokenizer=data.tokenizer)
+    with pytest.raises(ValueError, match="dataset size"):
+        ResumableBatches(smaller, 8, seed=0).load_state_dict(saved)

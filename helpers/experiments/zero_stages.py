@@ -12,7 +12,7 @@ import torch
 from helpers import comms, memory
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
-from helpers.metrics import memory_mb
+from helpers.metrics import memory_mib
 from helpers.trainer import MODEL_SIZES, AdvancedDeepSpeedTrainer, gpt2_param_count
 
 
@@ -45,7 +45,7 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
     extra = {**memory.measurement_zero_extra(n_params), **(PAPER_COMM.get(stage, {}) if a.paper_comm else {})}
     trainer = AdvancedDeepSpeedTrainer(
         data, model_size=a.model_size, zero_stage=stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
-        lr=a.lr, warmup_steps=2, total_steps=a.steps, seed=a.seed, output_dir=f"{a.out}/stage{stage}",
+        lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, seed=a.seed, output_dir=f"{a.out}/stage{stage}",
         zero_extra=extra)
     if trainer.runtime.is_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -54,13 +54,15 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
     comms.start_logging()
     trainer.train(1, progress=False)             # one step's collectives, logged
     logged = comms.stop_logging()
-    history = trainer.train(a.steps - 2, progress=False)
+    history = trainer.train(a.steps - 2, progress=False)   # + the measurement step: steps + 1 in all
     world = trainer.engine.world_size
     result = {
         "stage": stage, "world_size": world, "n_params": n_params, "precision": trainer.precision,
+        "device": str(trainer.engine.device), "backend": torch.distributed.get_backend(),
+        "zero_config": trainer.config["zero_optimization"],
         "held_bytes": held, "zero2_overhang_bytes": memory.zero2_overhang_bytes(trainer.engine),
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
-        "peak_memory_mb": memory_mb("cuda") if trainer.runtime.is_gpu else None,
+        "peak_memory_mib": memory_mib("cuda") if trainer.runtime.is_gpu else None,
         "step_s": [m["step_s"] for m in history], "losses": [m["loss"] for m in trainer.history],
         "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world)}
     trainer.engine.destroy()   # release hooks and buffers before the next stage's engine
@@ -69,6 +71,8 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
 
 def main(argv=None):
     a = parse(argv)
+    if a.steps < 3:
+        raise SystemExit(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
     data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
     n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
     n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
@@ -105,8 +109,17 @@ def memory_rows(results: dict[int, list]) -> list[dict]:
             rows.append({"stage": stage, "rank": r["rank"], **{f"{k} measured": held[k] for k in
                          ("params", "grads", "optimizer")}, **{f"{k} formula": formula[k] for k in
                          ("params", "grads", "optimizer")}, "boundary grads": r["zero2_overhang_bytes"],
-                         "buffers": held["buffers"]})
+                         "buffers": held["buffers"], "device peak MiB": r["peak_memory_mib"]})
     return rows
+
+
+def stacked_parts(rows: list[dict], rank: int = 0) -> tuple[dict, dict]:
+    """(measured, formula) per stage for one rank, as {stage: {part: bytes}}, for plots.stacked_memory."""
+    mine = {row["stage"]: row for row in rows if row["rank"] == rank}
+    measured = {s: {"params": r["params measured"], "grads": r["grads measured"] + r["boundary grads"],
+                    "optimizer": r["optimizer measured"], "buffers": r["buffers"]} for s, r in mine.items()}
+    formula = {s: {k: r[f"{k} formula"] for k in ("params", "grads", "optimizer")} for s, r in mine.items()}
+    return measured, formula
 
 
 def comm_rows(default: dict[int, list], paper: dict[int, list], accum: int) -> list[dict]:
@@ -117,10 +130,10 @@ def comm_rows(default: dict[int, list], paper: dict[int, list], accum: int) -> l
             r = ranks[0]
             unit = r["n_params"] * memory.bytes_per_param(r["precision"], stage)[1] * (r["world_size"] - 1) / r["world_size"]
             measured = sum(r["comm_sent_bytes"].values())
-            rows.append({"stage": stage, "algorithm": algorithm, "measured MB": measured / 1e6,
+            rows.append({"stage": stage, "algorithm": algorithm, "sent MB (logged x ring)": measured / 1e6,
                          "predicted MB": comms.predicted_units(stage, accum, algorithm) * unit / 1e6,
-                         "measured / stage-0": None, "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
-    base = next(row["measured MB"] for row in rows if row["stage"] == 0)
+                         "vs stage 0": None, "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
+    base = next(row["sent MB (logged x ring)"] for row in rows if row["stage"] == 0)
     for row in rows:
-        row["measured / stage-0"] = row["measured MB"] / base
+        row["vs stage 0"] = row["sent MB (logged x ring)"] / base
     return rows
