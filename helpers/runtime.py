@@ -30,24 +30,22 @@ class Runtime:
         return self.device == "cuda"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags Linux reports (empty elsewhere)."""
+def cpuinfo_field(name: str) -> str:
+    """The first value of `name` in Linux's /proc/cpuinfo ("" elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == name), "")
     except OSError:
-        pass
-    return set()
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    return set(cpuinfo_field("flags").split())
 
 
 def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
+    return cpuinfo_field("model name")
 
 
 def choose_precision(capability: tuple | None, flags: set[str] = frozenset()) -> tuple[str, str]:
