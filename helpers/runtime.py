@@ -7,6 +7,7 @@ import platform
 import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -149,7 +150,6 @@ def environment_report(runtime: Runtime) -> dict[str, str]:
 
 def deepspeed_ops() -> dict[str, dict[str, bool]]:
     """For each DeepSpeed C++/CUDA op: can it JIT-build here, and is a build already cached?"""
-    from pathlib import Path
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
     from deepspeed.ops.op_builder.builder import probe_is_compatible
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
@@ -194,9 +194,8 @@ def matmul_tflops(dtype: torch.dtype, device: str, n: int = 1024, seconds: float
     return 2 * n**3 * reps / elapsed / 1e12
 
 
-def run_dir(name: str) -> "Path":
+def run_dir(name: str) -> Path:
     """Where a notebook writes everything it makes: $TUTORIAL_RUN_DIR/<name>, default <repo>/runs/<name>."""
-    from pathlib import Path
     root = os.environ.get("TUTORIAL_RUN_DIR") or Path(__file__).resolve().parent.parent / "runs"
     path = Path(root) / name
     path.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runtime import choose_precision, cpu_flags, detect, free_port, init_single_process
+from helpers.runtime import choose_precision, cpu_flags, detect, free_port
 
 
 @pytest.mark.parametrize("capability, flags, expected", [
