@@ -31,6 +31,7 @@ import torch
 
 from helpers.batches import ResumableBatches
 from helpers.data import SyntheticTextDataset
+from helpers.memory import storage_bytes
 from helpers.runtime import detect
 from helpers.trainer import MODEL_SIZES, AdvancedDeepSpeedTrainer, build_model
 
@@ -96,14 +97,14 @@ class DeepSpeed:
 def tensor_bytes(*roots) -> int:
     """Bytes of the distinct tensor storages reachable from roots through containers and the
     attributes of torch.optim / DeepSpeed objects (where ZeRO keeps its flat buffers)."""
-    seen, storages, todo = set(), {}, list(roots)
+    seen, tensors, todo = set(), [], list(roots)
     while todo:
         obj = todo.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+            tensors.append(obj)
             todo += [obj.grad] if obj.grad is not None else []
         elif isinstance(obj, dict):
             todo += [*obj.keys(), *obj.values()]
@@ -111,7 +112,7 @@ def tensor_bytes(*roots) -> int:
             todo += obj
         elif type(obj).__module__.startswith(("torch.optim", "deepspeed")) and hasattr(obj, "__dict__"):
             todo += vars(obj).values()
-    return sum(storages.values())
+    return storage_bytes(tensors)   # each storage once: views and tied weights share one
 
 
 def matmul_flops(n: int, device: str, repeats: int = 5) -> float:
