@@ -103,15 +103,14 @@ def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpoint
     """The tutorial's GPT-2, set up as the paper counts: eager attention (SDPA's fused kernels never
     store the as^2b scores) and a fused GeLU (HF's gelu_new is Python and saves three extra 4sbh intermediates)."""
     import torch
-    from .trainer import build_model
+    from .trainer import build_model, enable_checkpointing
     model = build_model(vocab, seq_len, model_size)   # dropout off
     model.set_attn_implementation("eager")
     for block in model.transformer.h:
         block.mlp.act = torch.nn.GELU(approximate="tanh")   # same function as gelu_new, one kernel
-    model.config.use_cache = False   # a KV cache is useless in training and refused with checkpointing
+    model.config.use_cache = False   # no KV cache in training
     if checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()   # transformers 5.x renamed it; non-reentrant torch.utils.checkpoint by default
+        enable_checkpointing(model)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     return model.to(device=device, dtype=dtype).train()
 

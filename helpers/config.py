@@ -60,7 +60,7 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
                  weight_decay: float = 0.01, warmup_steps: int = 10, total_steps: int = 100,
                  grad_clip: float = 1.0, offload_optimizer: bool = False, offload_param: bool = False,
                  torch_adam: bool = False, zero_extra: dict | None = None, tensorboard_dir: str | None = None,
-                 job_name: str = "run") -> dict:
+                 job_name: str = "run", extra: dict | None = None) -> dict:
     """A complete DeepSpeed config: ZeRO stage, precision, AdamW with warmup then linear decay.
 
     torch_adam=True makes DeepSpeed use torch.optim.AdamW instead of its FusedAdam op. On a CPU we
@@ -68,6 +68,7 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
     so a run resumed from a checkpoint drifts from the straight run by a few float32 ulps, while
     torch's AdamW resumes bitwise identically.
     zero_extra: more zero_optimization keys, e.g. {"reduce_bucket_size": ...} for small models.
+    extra: more top-level keys, e.g. {"communication_data_type": "bf16"}; they win over the defaults.
     """
     config = {
         "train_batch_size": micro_batch * grad_accum * world_size,
@@ -88,7 +89,7 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
     }
     if tensorboard_dir is not None:
         config["tensorboard"] = {"enabled": True, "output_path": str(tensorboard_dir), "job_name": job_name}
-    return config
+    return {**config, **(extra or {})}
 
 
 def validate(config: dict, *, device: str, world_size: int = 1) -> dict:

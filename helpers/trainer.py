@@ -46,6 +46,13 @@ def build_model(vocab_size: int, n_positions: int, size: str = "tiny", pad_token
     return model
 
 
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing: keep each block's input, recompute the block in backward."""
+    model.config.use_cache = False   # a KV cache is useless in training and refused with checkpointing
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()   # transformers 5.x renamed it; non-reentrant torch.utils.checkpoint by default
+
+
 def gpt2_param_count(vocab_size: int, n_positions: int, n_layer: int, n_embd: int) -> int:
     """Parameters of a GPT-2 with tied input/output embeddings, counted from its shapes.
 
@@ -92,8 +99,8 @@ class AdvancedDeepSpeedTrainer:
     def __init__(self, train_data, *, model_size: str = "auto", n_positions: int | None = None,
                  zero_stage: int = 0, precision: str = "auto", micro_batch: int = 16, grad_accum: int = 1,
                  lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
-                 offload_optimizer: bool = False, zero_extra: dict | None = None,
-                 output_dir: str | Path | None = None, name: str = "run", seed: int = 0,
+                 offload_optimizer: bool = False, offload_param: bool = False, gradient_checkpointing: bool = False,
+                 zero_extra: dict | None = None, config_extra: dict | None = None, output_dir: str | Path | None = None, name: str = "run", seed: int = 0,
                  resume_from: str | Path | None = None):
         self.runtime = detect()
         self.precision = self.runtime.precision if precision == "auto" else precision
@@ -102,14 +109,15 @@ class AdvancedDeepSpeedTrainer:
         self._check_model(model_size)
         resume_dir = find_checkpoint(resume_from) if resume_from is not None else None
         self.output_dir = Path(output_dir) if output_dir is not None else run_dir("trainer")
-        self.name, self.grad_accum = name, grad_accum
+        self.name, self.grad_accum, self.gradient_checkpointing = name, grad_accum, gradient_checkpointing
         self.tensorboard_dir = self.output_dir / "tensorboard"
         self.job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
         self.config = ds_config.validate(ds_config.build_config(
             micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size(), zero_stage=zero_stage,
             precision=self.precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
-            grad_clip=grad_clip, offload_optimizer=offload_optimizer, torch_adam=not self.runtime.is_gpu,
-            zero_extra=zero_extra, tensorboard_dir=self.tensorboard_dir, job_name=self.job_name),
+            grad_clip=grad_clip, offload_optimizer=offload_optimizer, offload_param=offload_param,
+            torch_adam=not self.runtime.is_gpu and not offload_optimizer,   # offload brings DeepSpeedCPUAdam
+            zero_extra=zero_extra, tensorboard_dir=self.tensorboard_dir, job_name=self.job_name, extra=config_extra),
             device=self.runtime.device, world_size=world_size())
         self.batches = ResumableBatches(train_data, micro_batch, seed, process_rank(), world_size())
         self.tokenizer, self.history = train_data.tokenizer, []
@@ -131,6 +139,8 @@ class AdvancedDeepSpeedTrainer:
         init_single_process()
         seed_everything(seed)
         model = build_model(vocab_size, self.n_positions, self.model_size, self.tokenizer.pad_token_id, seed)
+        if self.gradient_checkpointing:
+            enable_checkpointing(model)
         engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=model.parameters())
         return engine
 
