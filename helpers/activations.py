@@ -111,7 +111,7 @@ def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpoint
     model.config.use_cache = False   # no KV cache in training
     if checkpointing:
         enable_checkpointing(model)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return model.to(device=device, dtype=dtype).train()
 
 
@@ -194,7 +194,7 @@ def predict(model_size: str, seq_len: int, micro_batch: int, checkpointing: bool
     from .trainer import MODEL_SIZES
     n_layer, hidden, heads = MODEL_SIZES[model_size]
     return activation_bytes(seq_len, micro_batch, hidden, heads, n_layer, vocab,
-                            {"fp32": 4, "bf16": 2}[precision], checkpointing)
+                            {"fp32": 4, "bf16": 2, "fp16": 2}[precision], checkpointing)
 
 
 def sweep(seq_lens=(256, 512, 1024), micro_batch: int = 1, model_size: str = "small",

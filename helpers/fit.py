@@ -102,3 +102,25 @@ def gpt2_examples() -> dict:
         out[gpu] = {"n_params": n_params, "plain_stage0_mb1": plain,
                     "best": next((r for r in rows if r["fits"]), None)}
     return out
+
+
+def estimator_rows(n_params: int, largest_layer_params: int, n_gpus: int = 1) -> list[dict]:
+    """This module's GPU and host bytes (bf16, DeepSpeed counting) beside DeepSpeed's own estimators
+    for every (stage, offload) they cover. DeepSpeed multiplies host bytes by a safety margin
+    (additional_buffer_factor, 1.5 by default); it is set to 1 here to compare the counts themselves."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    rows = []
+    for stage, offload in ((2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")):
+        if stage == 2:
+            cpu, gpu = estimate_zero2_model_states_mem_needs(
+                n_params, n_gpus, 1, cpu_offload=offload != "none", additional_buffer_factor=1.0)
+        else:
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                n_params, largest_layer_params, n_gpus, 1, cpu_offload=offload != "none",
+                cpu_offload_params=offload == "optimizer+params", additional_buffer_factor=1.0)
+        ours = model_state_bytes(n_params, n_gpus, stage, offload, "bf16", largest_layer_params)
+        rows.append({"stage": stage, "offload": offload, "GPU GB (ours)": ours["gpu"] / GB,
+                     "GPU GB (DeepSpeed)": gpu / GB, "host GB (ours)": ours["cpu"] / GB,
+                     "host GB (DeepSpeed)": cpu / GB})
+    return rows

@@ -148,3 +148,50 @@ def per_device_vs_ranks(rows: list[dict], save_dir=None, title="Model states per
     ax.set(xscale="log", yscale="log", xlabel="data-parallel ranks N", ylabel="GB per device", title=title)
     ax.legend()
     return finish(fig, save_dir, "per_device_vs_ranks")
+
+
+def activation_sweep(rows: list[dict], save_dir=None):
+    """Left: a step's peak activation memory against sequence length, measured (solid) and the formula
+    (dashed), without and with checkpointing. Right: the step time of each."""
+    fig, (mem, time) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ckpt, colour in ((False, "tab:red"), (True, "tab:green")):
+        mine = sorted((r for r in rows if r["checkpointing"] == ckpt), key=lambda r: r["seq_len"])
+        seqs, label = [r["seq_len"] for r in mine], "checkpointing" if ckpt else "no checkpointing"
+        mem.plot(seqs, [r["measured_MB"] for r in mine], "o-", color=colour, label=f"{label}: measured")
+        mem.plot(seqs, [r["predicted_MB"] for r in mine], "s--", color=colour, alpha=0.6, label=f"{label}: formula")
+        time.plot(seqs, [1e3 * r["seconds"] for r in mine], "o-", color=colour, label=label)
+    mem.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MB", title="Activation memory of one step")
+    time.set(xscale="log", xlabel="sequence length", ylabel="ms", title="Step time (forward + backward)")
+    for ax in (mem, time):
+        ax.set_xticks(seqs, [str(s) for s in seqs])
+        ax.legend(fontsize=8)
+    return finish(fig, save_dir, "activation_checkpointing")
+
+
+def device_vs_host(rows: list[dict], save_dir=None, title="Where the model states live"):
+    """Per configuration: bytes on the accelerator side and on the host (offload) side, stacked."""
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    names = [r["config"].replace(" + ", "\n+ ") for r in rows]
+    accel, host = [r["accelerator MB"] for r in rows], [r["host MB"] for r in rows]
+    ax.bar(names, accel, color="tab:blue", label="accelerator side")
+    ax.bar(names, host, bottom=accel, color="tab:gray", label="host side (offloaded)")
+    ax.set(title=title, ylabel="MB held by the rank")
+    ax.legend()
+    return finish(fig, save_dir, "offload_placement")
+
+
+def plan_bars(rows: list[dict], memory_gb: float, title: str, save_dir=None, name="what_fits"):
+    """GPU GB of a few plans, stacked by part, against the GPU's memory (a horizontal line)."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    labels = [f"ZeRO {r['stage']}\n{r['offload']}\n{'ckpt' if r['checkpointing'] else 'no ckpt'}, mb {r['micro_batch']}"
+              for r in rows]
+    bottom = np.zeros(len(rows))
+    for part, colour in (("model_states_gb", "tab:blue"), ("activations_gb", "tab:orange"), ("overhead_gb", "tab:gray")):
+        values = np.array([r[part] for r in rows])
+        ax.bar(labels, values, bottom=bottom, color=colour, label=part.replace("_gb", "").replace("_", " "))
+        bottom += values
+    ax.axhline(memory_gb, color="black", ls="--", label=f"GPU memory {memory_gb:g} GB")
+    ax.set(title=title, ylabel="GB per GPU")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=8)
+    return finish(fig, save_dir, name)

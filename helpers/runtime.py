@@ -127,10 +127,18 @@ def seed_everything(seed: int) -> None:
 
 
 def quiet_deepspeed(level: str = "WARNING") -> None:
-    """DeepSpeed logs a lot at INFO; notebooks show only warnings and errors."""
+    """DeepSpeed logs a lot at INFO; notebooks show only warnings and errors, minus two known
+    harmless ones: torch 2.13 deprecates collectives DeepSpeed 0.19 still calls, and DeepSpeed's
+    scheduler warns when the LR is read before the first step (the trainer records it every step)."""
     import logging
+    import warnings
     from deepspeed.utils import logger
     logger.setLevel(getattr(logging, level))
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+    if not any(getattr(f, "name", "") == "lr-before-start" for f in logger.filters):
+        lr_filter = logging.Filter("lr-before-start")
+        lr_filter.filter = lambda record: "before it has started" not in record.getMessage()
+        logger.addFilter(lr_filter)
 
 
 def environment_report(runtime: Runtime) -> dict[str, str]:

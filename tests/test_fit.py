@@ -88,3 +88,13 @@ def test_gpt2_xl_needs_tricks_on_a_16_gb_gpu():
     assert not t4["plain_stage0_mb1"]["fits"] and t4["best"] is not None
     assert t4["best"]["offload"] != "none" or t4["best"]["stage"] > 0 or t4["best"]["checkpointing"]
     assert a100["plain_stage0_mb1"]["fits"]   # 31 GB of states + 5 GB of activations
+
+
+def test_estimator_rows_match_deepspeed_where_it_counts_training_memory():
+    rows = fit.estimator_rows(N, L, n_gpus=1)
+    assert {(r["stage"], r["offload"]) for r in rows} == {(2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"),
+                                                         (3, "optimizer+params")}
+    for r in rows:
+        assert r["GPU GB (ours)"] == pytest.approx(r["GPU GB (DeepSpeed)"], abs=1e-9)
+        if r["offload"] != "none":
+            assert r["host GB (ours)"] == pytest.approx(r["host GB (DeepSpeed)"], abs=1e-9)

@@ -1,0 +1,45 @@
+"""ZeRO-Offload: where the bytes live after a step, against the offload formulas in helpers.fit;
+and which precisions a runtime offers (helpers.mixed_precision)."""
+import pytest
+
+from helpers import fit, offload
+from helpers.data import SyntheticTextDataset
+from helpers.mixed_precision import available_precisions
+from helpers.runtime import Runtime
+
+
+@pytest.fixture(scope="module")
+def data():
+    return SyntheticTextDataset("markov", n_samples=128, seq_len=32, seed=0)
+
+
+def test_zero2_offload_leaves_only_parameters_on_the_accelerator(data, tmp_path):
+    plain, moved = (offload.run_config(name, data, steps=2, output_dir=tmp_path / str(i))
+                    for i, name in enumerate(("ZeRO-2", "ZeRO-2 + offload optimizer")))
+    psi = moved["n_params"]
+    assert plain["host_bytes"] == 0 and plain["optimizer"] == "AdamW"
+    assert moved["optimizer"] == "DeepSpeedCPUAdam" and moved["host_devices"] == ["cpu"]
+    assert moved["accelerator_bytes"] == 4 * psi                        # fp32 parameters
+    assert moved["host_bytes"] == fit.model_state_bytes(psi, 1, 2, "optimizer", "fp32")["cpu"] == 16 * psi
+    assert moved["losses"] == pytest.approx(plain["losses"], abs=1e-5)   # same math, other optimizer
+
+
+def test_zero3_param_offload_moves_the_partitions_too(data, tmp_path):
+    r = offload.run_config("ZeRO-3 + offload optimizer + params", data, steps=1, output_dir=tmp_path)
+    formula = fit.model_state_bytes(r["n_params"], 1, 3, "optimizer+params", "fp32")["cpu"]
+    # DeepSpeed 0.19 keeps a second fp32 gradient buffer on the host (see notebook 05)
+    assert formula <= r["host_bytes"] <= formula + 4 * r["n_params"]
+    assert r["accelerator_bytes"] < r["host_bytes"] / 4
+
+
+def test_rows_report_ratios_to_the_first_configuration():
+    fake = [{"name": n, "accelerator_bytes": 1e6, "host_bytes": 0, "host_devices": [], "optimizer": "AdamW",
+             "step_s": s, "losses": [1.0]} for n, s in (("a", [9, 1, 1, 1]), ("b", [9, 2, 2, 2]))]
+    assert [r["time vs first"] for r in offload.rows(fake)] == [1.0, 2.0]   # the warm-up step is dropped
+
+
+@pytest.mark.parametrize("device, capability, expected", [
+    ("cpu", None, ["fp32", "bf16"]), ("cuda", (7, 5), ["fp32", "fp16"]), ("cuda", (8, 0), ["fp32", "bf16", "fp16"])])
+def test_available_precisions(device, capability, expected):
+    runtime = Runtime(device, "x", capability, 16.0, "fp32", "")
+    assert available_precisions(runtime) == expected
