@@ -1,0 +1,288 @@
+"""Cheaper communication (notebook 06): gradients averaged across ranks in fp32, bf16 or fp16.
+
+DeepSpeed's `communication_data_type` casts each gradient bucket to that type just before the
+all-reduce / reduce-scatter and back afterwards, so bf16 or fp16 halves the gradient bytes on the
+wire while the model, its gradients and the optimizer stay in the training precision. In 0.19 every
+ZeRO stage honours it: stage 0 in `engine.allreduce_bucket` (engine.py:3795), stages 1-2 in
+`allreduce_bucket` / `average_tensor` (zero/stage_1_and_2.py:2359), stage 3 in `__avg_scatter_grads`
+(zero/stage3.py:1913). It is a gradient setting only: ZeRO's parameter all-gathers stay in the
+parameters' own dtype, and the gradient-norm all-reduce stays in fp32 (fp64 at stage 3). Left unset,
+it defaults to the training precision (engine.py:1719), so we train in fp32 to see all three.
+
+Rank program: `python -m helpers.experiments.comm_dtype --out DIR --dtypes fp32 bf16`, one run per
+communication dtype, same model, data and seed; or `--zeropp ...` for one ZeRO++ trial (see
+`zeropp_trials`). From a notebook: `run(2)`, `rows(...)`, `zeropp_config()`, `zeropp_trials()`.
+"""
+import argparse
+import traceback
+from contextlib import nullcontext
+from unittest import mock
+
+import torch
+
+from helpers import comms, memory
+from helpers.config import ConfigError, build_config, validate
+from helpers.data import SyntheticTextDataset
+from helpers.launch import write_result
+from helpers.trainer import MODEL_SIZES, AdvancedDeepSpeedTrainer, gpt2_param_count
+
+COMM_DTYPES = ("fp32", "bf16", "fp16")
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Collectives that sum gradients across ranks. All-gathers and broadcasts move parameters and
+# bookkeeping (ZeRO-3 checks its parameter order with int64 broadcasts), never gradients.
+REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter")
+# A reduction this small holds a single number: the global gradient norm, summed in fp32 (stages 0-2)
+# or fp64 (stage 3) whatever communication_data_type says. Gradient buckets are far larger.
+SCALAR_BYTES = 8
+ZEROPP_FEATURES = ("weights", "gradients", "hpz")   # quantized weights (qwZ), quantized gradients (qgZ), hpZ
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtypes", nargs="+", choices=COMM_DTYPES, default=["fp32", "bf16"],
+                   help="communication_data_type values, run one after another")
+    p.add_argument("--stage", type=int, default=0, help="ZeRO stage (all of 0-3 honour the setting)")
+    p.add_argument("--precision", default="fp32", help="training precision; fp32 so the dtypes differ")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--model-size", default="tiny")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zeropp", nargs="*", choices=ZEROPP_FEATURES, default=None,
+                   help="instead: one ZeRO++ trial at stage 3 with these features")
+    p.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size for the 'hpz' feature")
+    p.add_argument("--bypass-validator", action="store_true",
+                   help="let DeepSpeed itself meet ZeRO++ on this device (helpers.config would refuse it on a CPU)")
+    return p.parse_args(argv)
+
+
+def gradient_collectives(logged: dict) -> dict:
+    """The part of `comms.stop_logging()` output that carries gradients: reductions of more than one number."""
+    return {op: {size: count for size, count in sizes.items() if int(size) > SCALAR_BYTES}
+            for op, sizes in logged.items() if op in REDUCTIONS}
+
+
+def trainer_options(a, stage: int, n_params: int) -> dict:
+    """What every run of this experiment shares: model, batch, schedule, seed, small ZeRO buckets."""
+    return dict(model_size=a.model_size, zero_stage=stage, precision=a.precision, micro_batch=a.micro_batch,
+                grad_accum=a.grad_accum, lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, seed=a.seed,
+                zero_extra=memory.measurement_zero_extra(n_params))
+
+
+def log_one_step(trainer) -> dict:
+    """Train one step with DeepSpeed's comms logger on; return {op: {msg bytes: count}}."""
+    comms.start_logging()
+    trainer.train(1, progress=False)
+    return comms.stop_logging()
+
+
+def run_dtype(a, dtype: str, data, n_params: int) -> dict:
+    """Train with gradients communicated in `dtype`; return bytes sent per step, losses and step times."""
+    trainer = AdvancedDeepSpeedTrainer(data, **trainer_options(a, a.stage, n_params),
+                                       config_extra={"communication_data_type": dtype},
+                                       output_dir=f"{a.out}/{dtype}")
+    trainer.train(1, progress=False)     # warm-up: buffers allocated, optimizer state created
+    logged = log_one_step(trainer)
+    timed = trainer.train(a.steps - 2, progress=False)
+    world = trainer.engine.world_size
+    result = {
+        "dtype": dtype, "stage": a.stage, "world_size": world, "n_params": n_params,
+        "precision": trainer.precision, "device": str(trainer.engine.device),
+        # what the engine actually uses: proves the config key reached DeepSpeed
+        "engine_comm_dtype": str(trainer.engine.communication_data_type).replace("torch.", ""),
+        "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world),
+        "gradient_logged": gradient_collectives(logged),
+        "gradient_sent_bytes": sum(comms.sent_bytes(gradient_collectives(logged), world).values()),
+        "losses": [m["loss"] for m in trainer.history], "step_s": [m["step_s"] for m in timed]}
+    trainer.engine.destroy()   # release hooks and buffers before the next engine
+    return result
+
+
+def main(argv=None):
+    a = parse(argv)
+    if a.steps < 3:
+        raise SystemExit(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
+    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
+    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+    if a.zeropp is not None:
+        write_result(a.out, zeropp_trial(a, data, n_params))
+    else:
+        write_result(a.out, {"runs": [run_dtype(a, d, data, n_params) for d in a.dtypes]})
+    if torch.distributed.is_initialized():   # not when the validator refused before any engine
+        torch.distributed.barrier()
+
+
+# ---- ZeRO++: quantized weights (qwZ), hierarchical partitioning (hpZ), quantized gradients (qgZ) ----
+
+
+def zeropp_block(features=ZEROPP_FEATURES, hpz_partition_size: int = 1) -> dict:
+    """The zero_optimization keys that switch on the chosen ZeRO++ features."""
+    unknown = set(features) - set(ZEROPP_FEATURES)
+    if unknown:
+        raise ValueError(f"unknown ZeRO++ features {sorted(unknown)}: choose from {ZEROPP_FEATURES}")
+    return {"zero_quantized_weights": "weights" in features,
+            "zero_quantized_gradients": "gradients" in features,
+            "zero_hpz_partition_size": hpz_partition_size if "hpz" in features else 1}
+
+
+def zeropp_config(hpz_partition_size: int | None = None, features=ZEROPP_FEATURES, **build_options) -> dict:
+    """A complete ZeRO-3 config with ZeRO++ on, from `helpers.config.build_config` (`config["zero_optimization"]`
+    is the ZeRO++ block). hpz_partition_size: GPUs per node, so the secondary copy of the weights is
+    gathered over the fast intra-node links (the paper's setting); defaults to the GPUs here (1 on a CPU)."""
+    if hpz_partition_size is None:
+        from helpers.launch import gpu_count
+        hpz_partition_size = max(1, gpu_count())
+    return build_config(zero_stage=3, zero_extra=zeropp_block(features, hpz_partition_size), **build_options)
+
+
+def validator_refusal(config: dict, device: str = "cpu", world_size: int = 1) -> str | None:
+    """What `helpers.config.validate` says about `config` on `device`, before any engine exists
+    (None when it accepts it). On a CPU, ZeRO++ is refused with a ConfigError naming the key."""
+    try:
+        validate(config, device=device, world_size=world_size)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def zeropp_trial(a, data, n_params: int) -> dict:
+    """One rank's ZeRO++ trial: build the engine, train a few steps, report where (if anywhere) it failed.
+
+    What DeepSpeed 0.19.8 itself does on a CPU with helpers.config's check bypassed (measured here,
+    gloo, 1 NUMA node, so DeepSpeed counts every CPU rank as a node of its own):
+    - zero_quantized_weights fails inside deepspeed.initialize, on any number of ranks: zero.Init builds a
+      CUDAQuantizer (zero/partition_parameters.py:1154), whose QuantizerBuilder().load() is the CPU
+      accelerator's NotImplementedBuilder: "ValueError: This op had not been implemented on CPU backend."
+      (ops/op_builder/cpu/no_impl.py:21).
+    - zero_quantized_gradients initializes, then fails in the first backward with the same ValueError,
+      from all_to_all_quant_reduce (runtime/comm/coalesced_collectives.py:34) - but only with more than
+      one "node": __avg_scatter_grads (zero/stage3.py:1928) takes the quantized path only when
+      world_size // accelerator.device_count() > 1 and otherwise falls back, silently, to a plain
+      reduce_scatter. So on 1 rank it "runs" without quantizing anything; on one GPU node too.
+    - zero_hpz_partition_size runs: it needs process groups, no kernel. On 4 CPU ranks with
+      hpz_partition_size=2 (and stage-3 parameters re-gathered for backward) the backward all-gathers
+      read the secondary copy over 2-rank groups: shards twice the size, same losses as without hpZ.
+      helpers.config refuses it on a CPU all the same, with the quantized features.
+    """
+    extra = zeropp_block(a.zeropp, a.hpz)
+    # The bypass switches off exactly one check of helpers.config.validate; every other check stays.
+    bypass = mock.patch("helpers.config.check_zero_plus_plus") if a.bypass_validator else nullcontext()
+    result = {"features": a.zeropp, "zero_extra": extra, "bypassed_validator": a.bypass_validator,
+              "ran": False, "failed_in": None, "error": None, "where": None, "losses": []}
+    try:
+        with bypass:
+            options = trainer_options(a, 3, n_params)
+            options["zero_extra"] = {**options["zero_extra"], **extra}
+            trainer = AdvancedDeepSpeedTrainer(data, **options, output_dir=f"{a.out}/zeropp")
+    except ConfigError as err:   # the validator, when not bypassed, stops it before DeepSpeed
+        return {**result, "failed_in": "helpers.config.validate", "error": f"ConfigError: {err}"}
+    except Exception as err:  # noqa: BLE001 - DeepSpeed's own failure, whatever its type, is the result
+        return {**result, **describe_failure(err, "deepspeed.initialize")}
+    world = trainer.engine.world_size
+    try:
+        trainer.train(1, progress=False)
+        logged = log_one_step(trainer)
+        trainer.train(max(0, a.steps - 2), progress=False)
+    except Exception as err:  # noqa: BLE001 - as above
+        losses = [m["loss"] for m in trainer.history]
+        return {**result, **describe_failure(err, f"step {trainer.step + 1}"), "losses": losses}
+    as_read = {k: getattr(trainer.engine, k)() for k in extra}   # what DeepSpeed itself took from the config
+    return {**result, "ran": True, "engine_read": as_read, "losses": [m["loss"] for m in trainer.history],
+            "precision": trainer.precision, "device": str(trainer.engine.device), "world_size": world,
+            "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world)}
+
+
+def describe_failure(err: Exception, when: str) -> dict:
+    """Where DeepSpeed failed, in words: the phase, the engine call it was in, its last runtime frame."""
+    frames = traceback.extract_tb(err.__traceback__)
+    calls = [f.name for f in frames if f.filename.endswith("deepspeed/runtime/engine.py")
+             and f.name in ("forward", "backward", "step")]
+    runtime = [f for f in frames if "/deepspeed/runtime/" in f.filename]
+    last = runtime[-1] if runtime else None
+    where = f"{last.filename.split('/deepspeed/')[-1]}:{last.lineno} in {last.name}: {last.line}" if last else None
+    return {"failed_in": when + (f" ({calls[0]})" if calls else ""),
+            "error": f"{type(err).__name__}: {err}", "where": where}
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ---- the notebook's side: launch the runs and turn per-rank results into a table ----
+
+def _launch(n_ranks: int, args: list[str], out_dir, options: dict) -> list[dict]:
+    from helpers.launch import launch
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    return launch(__name__, n_ranks, [*args, *flags], out_dir=out_dir)
+
+
+def run(n_ranks: int = 2, dtypes=("fp32", "bf16"), stage: int = 0, out_dir=".", **options) -> dict[str, list]:
+    """Train once per communication dtype on n_ranks (one launch); return {dtype: [rank 0's result, rank 1's, ...]}.
+    options: any rank-program flag, e.g. steps=24, precision="fp32", model_size="tiny"."""
+    from pathlib import Path
+    ranks = _launch(n_ranks, ["--dtypes", *dtypes, "--stage", str(stage)], Path(out_dir) / f"stage{stage}", options)
+    return {d: [{**r["runs"][i], "rank": r["rank"]} for r in ranks] for i, d in enumerate(dtypes)}
+
+
+def global_losses(ranks: list[dict]) -> list[float]:
+    """Per step, the loss of the whole global batch: the mean of the ranks' equal-sized micro-batch losses."""
+    return [sum(step) / len(step) for step in zip(*(r["losses"] for r in ranks))]
+
+
+def rows(results: dict[str, list]) -> list[dict]:
+    """Per communication dtype: what rank 0 sent in one step (gradients and in all) against fp32, and the loss."""
+    if "fp32" not in results:
+        raise ValueError(f"results hold {sorted(results)}: include 'fp32', the reference the others are compared to")
+    reference = results["fp32"][0]
+    base_loss = global_losses(results["fp32"])
+    table = []
+    for dtype, ranks in results.items():
+        r, losses = ranks[0], global_losses(ranks)
+        total = sum(r["comm_sent_bytes"].values())
+        table.append({
+            "comm dtype": dtype, "gradient MB/step": r["gradient_sent_bytes"] / 1e6,
+            "gradient vs fp32": r["gradient_sent_bytes"] / reference["gradient_sent_bytes"],
+            "total MB/step": total / 1e6, "total vs fp32": total / sum(reference["comm_sent_bytes"].values()),
+            "final loss": losses[-1], "max |loss - fp32 loss|": max(abs(x - y) for x, y in zip(losses, base_loss)),
+            "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
+    return table
+
+
+def zeropp_trials(features=("weights", "gradients", "hpz"), n_ranks: int = 2, hpz_partition_size: int = 2,
+                  bypass_validator: bool = True, out_dir=".", **options) -> dict[str, list]:
+    """One launch per ZeRO++ feature (a failed engine leaves a process unusable); return {feature: [rank results]}.
+
+    Each result says whether training ran, and if not, where DeepSpeed failed ("deepspeed.initialize" or
+    "step 1 (backward)"), its message and the DeepSpeed source line (see `zeropp_trial`). On a CPU use
+    bypass_validator=True to see DeepSpeed's own failure instead of helpers.config's ConfigError."""
+    from pathlib import Path
+    results = {}
+    for feature in features:
+        args = ["--zeropp", *feature.split("+"), "--hpz", str(hpz_partition_size)]
+        args += ["--bypass-validator"] if bypass_validator else []
+        ranks = _launch(n_ranks, args, Path(out_dir) / f"zeropp-{feature}", {"steps": 3, **options})
+        results[feature] = ranks
+    return results
+
+
+def run_zeropp_gpu(steps: int = 5, out_dir=".", **options) -> list[dict]:
+    """ZeRO++ with all three features on this machine's GPUs (one rank per GPU); per-rank results.
+
+    On one GPU: hpz_partition_size 1 (there is no second device to hold a secondary copy), nothing is
+    sent (world size 1), and quantized gradients are inactive: DeepSpeed quantizes gradients only
+    across nodes (world_size // GPUs per node > 1, zero/stage3.py:1928) and otherwise uses a plain
+    reduce_scatter. Quantized weights do run their CUDA quantize kernel in every all-gather.
+    """
+    from helpers.launch import gpu_count
+    gpus = gpu_count()
+    if gpus == 0:
+        raise RuntimeError("ZeRO++ needs a CUDA GPU (its quantizer has CUDA kernels only); this machine has "
+                           "none. On a CPU, see validator_refusal() and zeropp_trials(bypass_validator=True).")
+    trials = zeropp_trials(("weights+gradients+hpz",), n_ranks=gpus, hpz_partition_size=gpus,
+                           bypass_validator=False, out_dir=out_dir,
+                           **{"steps": steps, "precision": "auto", **options})
+    return trials["weights+gradients+hpz"]
