@@ -143,14 +143,14 @@ def check_zero(zero: dict) -> None:
         raise ConfigError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
 
 
-ZERO_PLUS_PLUS = ("zero_quantized_gradients", "zero_quantized_weights", "zero_hpz_partition_size")
+ZERO_PLUS_PLUS = ("zero_quantized_gradients", "zero_quantized_weights")   # + zero_hpz_partition_size
 
 
 def check_zero_plus_plus(zero: dict, device: str) -> None:
-    """ZeRO++ quantized communication has CUDA kernels only: DeepSpeed fails on a CPU mid-training."""
-    used = [k for k in ZERO_PLUS_PLUS[:2] if zero.get(k)]
-    if zero.get("zero_hpz_partition_size", 1) > 1:   # hierarchical partitioning; 1 means off
-        used.append("zero_hpz_partition_size")
+    """ZeRO++'s quantized weights/gradients have CUDA kernels only: on a CPU DeepSpeed fails inside
+    initialize (weights) or at the first backward across nodes (gradients). Its third part,
+    hierarchical partitioning (zero_hpz_partition_size), is plain collectives and does run on a CPU."""
+    used = [k for k in ZERO_PLUS_PLUS if zero.get(k)]
     if used and device == "cpu":
         raise ConfigError(f"zero_optimization.{used[0]} (ZeRO++) is not implemented on a CPU: it needs a CUDA GPU; "
                           "remove it, or use communication_data_type for cheaper communication on a CPU")
