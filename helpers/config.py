@@ -143,7 +143,7 @@ def check_zero(zero: dict) -> None:
         raise ConfigError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
 
 
-ZERO_PLUS_PLUS = ("zero_quantized_gradients", "zero_quantized_weights")   # + zero_hpz_partition_size
+ZERO_PLUS_PLUS = ("zero_quantized_gradients", "zero_quantized_weights")   # hpZ (zero_hpz_partition_size) runs anywhere
 
 
 def check_zero_plus_plus(zero: dict, device: str) -> None:
