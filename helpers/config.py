@@ -103,8 +103,18 @@ def validate(config: dict, *, device: str, world_size: int = 1) -> dict:
     return config
 
 
+def removed_top_level_keys() -> dict[str, str]:
+    """Removed top-level blocks -> what to do: DeepSpeed's own list (its message), with our fixes
+    where we have one. DeepSpeed raises on them too, but only inside initialize."""
+    try:
+        from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS as theirs   # 0.19's own table
+    except ImportError:
+        theirs = {}
+    return {**theirs, **REMOVED_TOP_LEVEL}
+
+
 def check_removed_keys(config: dict) -> None:
-    for key, fix in REMOVED_TOP_LEVEL.items():
+    for key, fix in removed_top_level_keys().items():
         if key in config:
             raise ConfigError(f"'{key}' was removed in DeepSpeed 0.19: {fix}")
     zero = config.get("zero_optimization", {})

@@ -77,3 +77,10 @@ def test_zero_plus_plus_is_fine_on_a_gpu():
     cfg = good(zero_stage=3)
     cfg["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True)
     assert validate(cfg, device="cuda") is cfg
+
+
+def test_every_block_deepspeed_lists_as_removed_is_refused_before_initialize():
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS
+    for key in _REMOVED_TOP_LEVEL_CONFIG_KEYS:
+        with pytest.raises(ConfigError, match=f"'{key}' was removed"):
+            validate({**build_config(), key: {"enabled": True}}, device="cpu")
