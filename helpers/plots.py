@@ -195,3 +195,45 @@ def plan_bars(rows: list[dict], memory_gb: float, title: str, save_dir=None, nam
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=8)
     return finish(fig, save_dir, name)
+
+
+def expert_load(fractions: np.ndarray, save_dir=None, title="Share of tokens routed to each expert"):
+    """(steps, experts) shares as stacked areas over training; a balanced router sits at 1/E each."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    steps = np.arange(1, len(fractions) + 1)
+    ax.stackplot(steps, fractions.T, labels=[f"expert {e}" for e in range(fractions.shape[1])], alpha=0.85)
+    for e in range(1, fractions.shape[1]):
+        ax.axhline(e / fractions.shape[1], color="white", lw=0.8, ls="--")
+    ax.set(xlim=(1, len(steps)), ylim=(0, 1), xlabel="step", ylabel="share of tokens", title=title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return finish(fig, save_dir, "moe_expert_load")
+
+
+def moe_curves(curves: dict, save_dir=None):
+    """Left: LM loss of the MoE model and its dense twin. Right: the router's auxiliary loss."""
+    fig, (lm, aux) = plt.subplots(1, 2, figsize=(10, 3.3))
+    lm.plot(curves["step"], curves["lm_loss"], label="MoE (LM loss)")
+    if "dense_loss" in curves:
+        lm.plot(curves["step"], curves["dense_loss"], ls="--", label="dense twin")
+    lm.set(xlabel="step", ylabel="loss", title="Language-model loss")
+    lm.legend()
+    aux.plot(curves["step"], curves["aux_loss"], color="tab:purple")
+    aux.set(xlabel="step", ylabel="aux loss (sum over layers)", title="Load-balancing loss")
+    return finish(fig, save_dir, "moe_losses")
+
+
+def pipeline_timeline(stage_events: list[list[dict]], save_dir=None, title: str = "", name="pipeline_timeline"):
+    """Gantt chart of one measured pipeline step: a row per stage, forward (F) and backward (B) boxes
+    labelled by micro-batch; the gaps between them are the bubble."""
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.7 * len(stage_events)))
+    compute = {"ForwardPass": "tab:blue", "BackwardPass": "tab:orange"}
+    t0 = min(e["start"] for events in stage_events for e in events if e["name"] in compute)
+    for stage, events in enumerate(stage_events):
+        for e in (e for e in events if e["name"] in compute):
+            left, width = 1e3 * (e["start"] - t0), 1e3 * (e["end"] - e["start"])
+            ax.barh(stage, width, left=left, color=compute[e["name"]], edgecolor="black")
+            ax.text(left + width / 2, stage, f"{e['name'][0]}{e['mb']}", ha="center", va="center", fontsize=8)
+    ax.set_yticks(range(len(stage_events)), [f"stage {s}" for s in range(len(stage_events))])
+    ax.invert_yaxis()
+    ax.set(xlabel="ms since the first forward (gaps = idle)", title=title)
+    return finish(fig, save_dir, name)
