@@ -1,0 +1,245 @@
+"""Sequence-length curriculum with DeepSpeed's `CurriculumScheduler`, against a fair baseline (notebook 06).
+
+The idea (Li et al., "The Stability-Efficiency Dilemma", 2022): start training on short sequences and
+lengthen them step by step. DeepSpeed 0.19 dropped the old top-level `curriculum_learning` block, so
+we drive its scheduler ourselves, as its data sampler does: before step s (counted from 1) ask
+`scheduler.update_difficulty(s)` for the sequence length, and truncate the batch to it.
+
+Fair comparison, by design:
+- both runs see the same number of tokens per step (`tokens_per_step`): a step at length L uses
+  tokens_per_step / L sequences, so a short-sequence step has more sequences, not fewer tokens;
+- hence the same number of optimizer steps, the same token budget and the same learning-rate
+  schedule (by step = by token), the same model initialisation, data order and seed;
+- both are judged on the same held-out sequences at full length, against tokens seen.
+One cost is not equalised: a sequence of L tokens gives L - 1 next-token predictions, so short
+steps train on slightly fewer predictions (reported as `predictions_seen`).
+"""
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import torch
+
+from .batches import ResumableBatches
+from .config import build_config, validate
+from .data import SyntheticTextDataset
+from .runtime import detect, init_single_process, quiet_deepspeed, seed_everything
+from .trainer import build_model
+
+SCHEDULE_TYPES = ("fixed_linear", "fixed_root", "fixed_discrete")
+
+
+def seqlen_schedule(min_len: int = 16, max_len: int = 64, total_curriculum_step: int = 30,
+                    difficulty_step: int = 16, schedule_type: str = "fixed_linear", root_degree: int = 2) -> dict:
+    """A CurriculumScheduler config for the sequence-length metric, checked.
+
+    Same keys as DeepSpeed's `data_efficiency.data_sampling.curriculum_learning.curriculum_metrics.<metric>`.
+    fixed_linear: length = min + (max - min) * step / total_curriculum_step, floored to a multiple of
+    difficulty_step, reaching max_len at total_curriculum_step; fixed_root uses (step / total)^(1/root_degree).
+    """
+    schedule = {"min_difficulty": min_len, "max_difficulty": max_len, "schedule_type": schedule_type,
+                "schedule_config": {"total_curriculum_step": total_curriculum_step,
+                                    "difficulty_step": difficulty_step}}
+    if schedule_type == "fixed_root":
+        schedule["schedule_config"]["root_degree"] = root_degree
+    return check_schedule(schedule)
+
+
+def check_schedule(schedule: dict, seq_len: int | None = None) -> dict:
+    """Raise ValueError naming the field for a schedule DeepSpeed would accept and then misbehave on.
+
+    CurriculumScheduler itself checks only that keys exist: with min_difficulty > max_difficulty it
+    silently stays at min_difficulty forever, and a max_difficulty that is not a multiple of
+    difficulty_step is reached only after total_curriculum_step (the difficulty is floored to a multiple).
+    """
+    for key in ("min_difficulty", "max_difficulty", "schedule_type", "schedule_config"):
+        if key not in schedule:
+            raise ValueError(f"curriculum schedule is missing '{key}'")
+    lo, hi, kind, cfg = (schedule[k] for k in ("min_difficulty", "max_difficulty", "schedule_type", "schedule_config"))
+    if kind not in SCHEDULE_TYPES:
+        raise ValueError(f"schedule_type={kind!r} is not one of {SCHEDULE_TYPES}")
+    if not 2 <= lo <= hi:
+        raise ValueError(f"need 2 <= min_difficulty ({lo}) <= max_difficulty ({hi}): a sequence needs at least "
+                         "2 tokens (one to predict), and the curriculum goes from short to long")
+    if seq_len is not None and hi > seq_len:
+        raise ValueError(f"max_difficulty={hi} is longer than the data's sequences ({seq_len}): lower it or "
+                         f"build the dataset with seq_len >= {hi}")
+    if kind == "fixed_discrete":
+        _check_discrete(cfg, lo, hi)
+        return schedule
+    step, total = cfg.get("difficulty_step"), cfg.get("total_curriculum_step")
+    if not (isinstance(step, int) and step >= 1 and isinstance(total, int) and total >= 1):
+        raise ValueError(f"schedule_config needs positive integers difficulty_step ({step}) and "
+                         f"total_curriculum_step ({total})")
+    if lo % step or hi % step:
+        raise ValueError(f"min_difficulty ({lo}) and max_difficulty ({hi}) must be multiples of difficulty_step "
+                         f"({step}): DeepSpeed floors every length to a multiple of it")
+    if kind == "fixed_root" and not cfg.get("root_degree", 0) >= 1:
+        raise ValueError("fixed_root needs schedule_config.root_degree >= 1 (2 = square root)")
+    return schedule
+
+
+def _check_discrete(cfg: dict, lo: int, hi: int) -> None:
+    lengths, max_steps = cfg.get("difficulty", []), cfg.get("max_step", [])
+    if not lengths or len(lengths) != len(max_steps) + 1:
+        raise ValueError("fixed_discrete needs schedule_config.difficulty (lengths) with one more entry than "
+                         "schedule_config.max_step (the last step of each length but the last)")
+    if lengths != sorted(lengths) or not (lo <= lengths[0] and lengths[-1] <= hi):
+        raise ValueError(f"difficulty={lengths} must grow from min_difficulty ({lo}) to max_difficulty ({hi})")
+    if max_steps != sorted(max_steps):
+        raise ValueError(f"max_step={max_steps} must increase")
+
+
+def make_scheduler(schedule: dict, seq_len: int | None = None):
+    """DeepSpeed's CurriculumScheduler for a checked schedule."""
+    from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
+    quiet_deepspeed()   # it warns when difficulty_step is not a multiple of 8 (tensor cores)
+    return CurriculumScheduler(check_schedule(schedule, seq_len))
+
+
+def lengths_over_steps(schedule: dict, steps: int) -> list[int]:
+    """The sequence length DeepSpeed's scheduler gives each step 1..steps (a fresh scheduler)."""
+    scheduler = make_scheduler(schedule)
+    return [scheduler.update_difficulty(step) for step in range(1, steps + 1)]
+
+
+def truncate(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of each sequence, as DeepSpeed's seqlen curriculum does."""
+    if not 2 <= seq_len <= ids.shape[1]:
+        raise ValueError(f"seq_len={seq_len} must be in 2..{ids.shape[1]} (the batch's sequence length)")
+    return ids[:, :seq_len]
+
+
+def rows_per_step(tokens_per_step: int, seq_len: int) -> int:
+    """How many sequences of `seq_len` make exactly `tokens_per_step` tokens."""
+    if tokens_per_step % seq_len:
+        raise ValueError(f"tokens_per_step={tokens_per_step} is not a multiple of sequence length {seq_len}: "
+                         "pick tokens_per_step divisible by every length the schedule produces "
+                         f"(e.g. their least common multiple, {seq_len} here or larger)")
+    return tokens_per_step // seq_len
+
+
+def _engine(data, model_size: str, rows: int, lr: float, warmup_steps: int, steps: int, seed: int):
+    """A fresh fp32 DeepSpeed engine on a freshly initialised GPT-2 (same seed = same weights)."""
+    import deepspeed
+    runtime = detect()
+    init_single_process()
+    quiet_deepspeed()
+    seed_everything(seed)
+    model = build_model(data.vocab_size, data.seq_len, model_size, data.tokenizer.pad_token_id, seed)
+    config = validate(build_config(micro_batch=rows, lr=lr, warmup_steps=warmup_steps, total_steps=steps,
+                                   torch_adam=not runtime.is_gpu), device=runtime.device)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    return engine
+
+
+@torch.no_grad()
+def heldout_row_losses(engine, heldout: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of each held-out sequence (full length), without updating anything."""
+    engine.eval()
+    ids = heldout.to(engine.device)
+    logits = engine(input_ids=ids).logits[:, :-1].float()
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    engine.train()
+    return losses.mean(1).cpu()
+
+
+def train_run(length_for_step, data, heldout: torch.Tensor, *, steps: int, tokens_per_step: int,
+              model_size: str = "tiny", lr: float = 3e-3, warmup_steps: int = 5, eval_every: int = 5,
+              seed: int = 0) -> dict:
+    """Train `steps` steps; step s uses sequences of length_for_step(s), tokens_per_step tokens in all.
+
+    Returns {"history": per step {"step", "seq_len", "rows", "tokens_seen", "predictions_seen", "loss",
+    "lr"}, "evals": {"step", "tokens_seen", "heldout_loss"} every eval_every steps (and at step 0),
+    "final_row_losses": held-out loss per sequence at the end}.
+    """
+    engine = _engine(data, model_size, tokens_per_step // data.seq_len, lr, warmup_steps, steps, seed)
+    rows = ResumableBatches(data, micro_batch=1, seed=seed)   # one shared row order for every run
+    history, evals, tokens, predictions = [], [], 0, 0
+
+    def evaluate(step: int) -> torch.Tensor:
+        row_losses = heldout_row_losses(engine, heldout)
+        evals.append({"step": step, "tokens_seen": tokens, "heldout_loss": row_losses.mean().item()})
+        return row_losses
+
+    evaluate(0)
+    for step in range(1, steps + 1):
+        seq_len = length_for_step(step)
+        n_rows = rows_per_step(tokens_per_step, seq_len)
+        ids = truncate(torch.cat([rows.next() for _ in range(n_rows)]), seq_len).to(engine.device)
+        lr_now = engine.optimizer.param_groups[0]["lr"]   # the rate this step uses
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        tokens, predictions = tokens + ids.numel(), predictions + ids.shape[0] * (ids.shape[1] - 1)
+        history.append({"step": step, "seq_len": ids.shape[1], "rows": ids.shape[0], "tokens_seen": tokens,
+                        "predictions_seen": predictions, "loss": loss.item(), "lr": lr_now})
+        if step % eval_every == 0 or step == steps:
+            final = evaluate(step)   # the last step is always evaluated
+    engine.destroy()
+    return {"history": history, "evals": evals, "final_row_losses": final.tolist()}
+
+
+def compare(steps: int = 40, tokens_per_step: int = 768, schedule: dict | None = None, seq_len: int = 64,
+            model_size: str = "tiny", lr: float = 3e-3, warmup_steps: int = 5, eval_every: int = 5,
+            heldout_rows: int = 64, seed: int = 0) -> dict:
+    """Curriculum (DeepSpeed's scheduler, short to long) vs baseline (always seq_len), same token budget.
+
+    Default schedule: fixed_linear 16 -> 64 in steps of 16 over the first half of training (not from 8:
+    lengths 8, 16, ..., 64 would need tokens_per_step divisible by 6720), so every
+    length (16, 32, 48, 64) divides tokens_per_step = 768 exactly (48, 24, 16 or 12 sequences a step).
+    Returns {"schedule", "tokens_per_step", "curriculum": train_run(...), "baseline": train_run(...),
+    "verdict": verdict(...)}.
+    """
+    schedule = check_schedule(schedule or seqlen_schedule(max_len=seq_len, total_curriculum_step=steps // 2),
+                              seq_len)
+    for length in set(lengths_over_steps(schedule, steps)) | {seq_len}:
+        rows_per_step(tokens_per_step, length)        # fail before training, not halfway
+    data, heldout = _datasets(schedule, steps, tokens_per_step, seq_len, heldout_rows, seed)
+    args = dict(steps=steps, tokens_per_step=tokens_per_step, model_size=model_size, lr=lr,
+                warmup_steps=warmup_steps, eval_every=eval_every, seed=seed)
+    scheduler = make_scheduler(schedule, seq_len)
+    curriculum = train_run(scheduler.update_difficulty, data, heldout, **args)
+    baseline = train_run(lambda step: seq_len, data, heldout, **args)
+    return {"schedule": schedule, "tokens_per_step": tokens_per_step, "curriculum": curriculum,
+            "baseline": baseline, "verdict": verdict(curriculum, baseline)}
+
+
+def _datasets(schedule: dict, steps: int, tokens_per_step: int, seq_len: int, heldout_rows: int, seed: int):
+    """Training rows for the hungrier run without repeats, and held-out sequences from the same chain."""
+    needed = sum(tokens_per_step // n for n in lengths_over_steps(schedule, steps))
+    data = SyntheticTextDataset("markov", n_samples=max(needed, steps * tokens_per_step // seq_len), seq_len=seq_len,
+                                seed=seed)
+    heldout = SyntheticTextDataset("markov", n_samples=heldout_rows, seq_len=seq_len, seed=seed + 10_000,
+                                   tokenizer=data.tokenizer)
+    return data, torch.stack([heldout[i]["input_ids"] for i in range(len(heldout))])
+
+
+def verdict(curriculum: dict, baseline: dict, z: float = 2.0) -> dict:
+    """Did the curriculum help, hurt or tie on the final held-out loss?
+
+    Paired over the same held-out sequences: difference = curriculum - baseline per sequence, with its
+    standard error. |mean| < z * stderr is a tie. This covers which held-out sequences were drawn,
+    not run-to-run training noise (one seed), so a small difference is a tie at best.
+    """
+    diffs = torch.tensor(curriculum["final_row_losses"]) - torch.tensor(baseline["final_row_losses"])
+    mean, stderr = diffs.mean().item(), (diffs.std() / math.sqrt(len(diffs))).item()
+    outcome = "tied" if abs(mean) < z * stderr else ("helped" if mean < 0 else "hurt")
+    final = curriculum["evals"][-1]
+    return {"curriculum_loss": final["heldout_loss"], "baseline_loss": baseline["evals"][-1]["heldout_loss"],
+            "difference": mean, "stderr": stderr, "outcome": outcome,
+            "budget_tokens": final["tokens_seen"],
+            "baseline_tokens_to_match": tokens_to_reach(baseline["evals"], final["heldout_loss"])}
+
+
+def tokens_to_reach(evals: list[dict], loss: float) -> float | None:
+    """Tokens after which a run's held-out loss first fell to `loss` (linear between evaluations);
+    None if it never did."""
+    for a, b in pairwise(evals):
+        if b["heldout_loss"] <= loss:
+            if a["heldout_loss"] <= loss:
+                return float(a["tokens_seen"])
+            frac = (a["heldout_loss"] - loss) / (a["heldout_loss"] - b["heldout_loss"])
+            return a["tokens_seen"] + frac * (b["tokens_seen"] - a["tokens_seen"])
+    return None
