@@ -27,6 +27,7 @@ has tensorboard || missing+=("tensorboard")
 has tokenizers || missing+=("tokenizers")
 has ipywidgets || missing+=("ipywidgets>=7.7,<9")
 has tqdm || missing+=("tqdm")
+has accelerate || missing+=("accelerate")   # HF Trainer(deepspeed=...)
 
 if ((${#missing[@]})); then
     echo "colab_setup: installing ${missing[*]}"

@@ -1,0 +1,169 @@
+"""Interop: a DeepSpeed checkpoint as a Hugging Face model directory, and the TensorBoard logs.
+
+A DeepSpeed checkpoint is not a model file: at ZeRO 1-3 the fp32 master weights are split across
+one optimizer file per rank. `export_hf` puts them back together with DeepSpeed's own
+`zero_to_fp32` and writes a directory that `AutoModelForCausalLM.from_pretrained` and
+`pipeline("text-generation")` load, with the project's tokenizer beside the weights.
+
+From a shell, for a checkpoint written by `python -m helpers.train`:
+    python -m helpers.export runs/train/zero3/checkpoints runs/train/zero3/hf
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from helpers.trainer import find_checkpoint
+
+
+def fp32_state_dict(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's weights from a checkpoint of any ZeRO stage, as fp32 CPU tensors.
+
+    checkpoint_dir: the directory given to save_checkpoint (tag None: the one `latest` names).
+    ZeRO 1-3 keep fp32 master weights partitioned in *_optim_states.pt, one per rank: DeepSpeed's
+    zero_to_fp32 merges them. ZeRO-0 has no partitions: the module's own weights are whole in
+    mp_rank_00_model_states.pt (in bf16/fp16 runs these are the 16-bit weights the engine computes
+    with; its fp32 masters live only inside the optimizer's state).
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    tag_dir = find_checkpoint(checkpoint_dir) if tag is None else Path(checkpoint_dir) / tag
+    model_files = list(tag_dir.glob("*model_states.pt"))
+    if not model_files:
+        raise FileNotFoundError(f"{tag_dir} holds no *model_states.pt file: is it a DeepSpeed checkpoint?")
+    # Route by the stage the newest save recorded, not by which files lie around: a re-run at another
+    # stage into the same directory and step leaves the other stage's files beside the new ones.
+    newest = max(model_files, key=lambda p: p.stat().st_mtime_ns)
+    state = torch.load(newest, map_location="cpu", weights_only=False)
+    if state["ds_config"].get("zero_optimization", {}).get("stage", 0) > 0:
+        with _silenced():   # zero_to_fp32 prints progress lines and a tqdm bar
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    return {name: t.float() if t.is_floating_point() else t for name, t in state["module"].items()}
+
+
+def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer=None, model_config=None,
+              tag: str | None = None) -> Path:
+    """Write a DeepSpeed checkpoint (any ZeRO stage, any number of ranks) as a HF model directory.
+
+    tokenizer, model_config: the run's tokenizer and the model's config (`trainer.tokenizer`,
+    `trainer.engine.module.config`); None reads them from checkpoint_dir, where helpers.train
+    saves both. Returns out_dir, ready for `from_pretrained` and `pipeline("text-generation")`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if model_config is None:
+        model_config = AutoConfig.from_pretrained(_saved_by_train(checkpoint_dir, "config.json"))
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(_saved_by_train(checkpoint_dir, "tokenizer.json"))
+    model = AutoModelForCausalLM.from_config(model_config)
+    load_strict(model, fp32_state_dict(checkpoint_dir, tag))
+    model.config.use_cache = True   # training may have turned the KV cache off; generation wants it
+    with _quiet_transformers():
+        model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _saved_by_train(checkpoint_dir: Path, name: str) -> Path:
+    if not (checkpoint_dir / name).is_file():
+        raise FileNotFoundError(f"no {name} in {checkpoint_dir}: pass tokenizer= and model_config= "
+                                "(trainer.tokenizer, trainer.engine.module.config), or export a checkpoint "
+                                "directory written by `python -m helpers.train`, which saves both there")
+    return checkpoint_dir
+
+
+def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load `state` into `model`; every weight must be found, except copies of a tied weight
+    (GPT-2's output layer is its token embedding, which checkpoints may store once)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = [params[k] for k in params if k not in missing]
+    untied = [k for k in missing if not any(params.get(k) is p for p in loaded)]
+    if untied or unexpected:
+        raise ValueError(f"checkpoint does not fit the model config: missing {untied}, unexpected {unexpected}; "
+                         "pass the model_config of the model that was trained")
+
+
+@torch.no_grad()
+def max_logit_difference(hf_dir: str | Path, engine, input_ids: torch.Tensor) -> float:
+    """max |logits| difference between the exported model and the live engine on `input_ids`.
+
+    The HF model is loaded in the engine's dtype, so a bf16 engine is compared with bf16 weights
+    (rounding the fp32 masters to bf16 gives exactly the engine's weights). 0.0 means identical.
+    Under ZeRO-3 with several ranks every rank must call this (the engine's forward is collective).
+    """
+    from transformers import AutoModelForCausalLM
+    dtype = next(engine.module.parameters()).dtype
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    was_training = engine.training
+    engine.eval()
+    ours = engine(input_ids=input_ids.to(engine.device)).logits.float().cpu()
+    engine.train(was_training)
+    theirs = model(input_ids=input_ids).logits.float()
+    return (ours - theirs).abs().max().item()
+
+
+def generate_text(hf_dir: str | Path, prompt: str, max_new_tokens: int = 20) -> str:
+    """Greedy continuation of `prompt` by a HF `text-generation` pipeline over the exported directory."""
+    from transformers import pipeline
+    with _quiet_transformers():
+        generator = pipeline("text-generation", model=str(hf_dir), tokenizer=str(hf_dir))
+    # The pipeline returns prompt + decode(new tokens). Our word-level tokenizer decodes the first new
+    # word without a leading space, so "a b" + "c d" would fuse into "a bc d": end the prompt with one.
+    return generator(prompt.rstrip() + " ", max_new_tokens=max_new_tokens, do_sample=False)[0]["generated_text"]
+
+
+def in_colab() -> bool:
+    return "google.colab" in sys.modules
+
+
+def tensorboard_hint(logdir: str | Path) -> str:
+    """Show TensorBoard for `logdir`: in Colab inline (the %tensorboard magic); elsewhere nothing
+    is started. Returns the shell command that opens the same logs anywhere."""
+    command = f"tensorboard --logdir {shlex.quote(str(logdir))}"
+    if in_colab():
+        from IPython import get_ipython
+        shell = get_ipython()
+        if shell is not None:   # a script run in Colab has no notebook to draw in
+            shell.run_line_magic("load_ext", "tensorboard")
+            shell.run_line_magic("tensorboard", f"--logdir {shlex.quote(str(logdir))}")
+    return command
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No "Loading weights" / "Writing model shards" progress bars for a model this small."""
+    from transformers.utils import logging
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _silenced():
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Export a DeepSpeed checkpoint written by helpers.train "
+                                            "as a Hugging Face model directory.")
+    p.add_argument("checkpoint_dir", help="the run's checkpoints directory (holds 'latest')")
+    p.add_argument("out_dir")
+    p.add_argument("--tag", default=None, help="a checkpoint other than the latest, e.g. step100")
+    a = p.parse_args(argv)
+    print(export_hf(a.checkpoint_dir, a.out_dir, tag=a.tag))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""helpers.train: the trainer as a script on 2 CPU ranks under torchrun and the deepspeed launcher,
+with metrics, TensorBoard logs and checkpoints; the 2-rank ZeRO-3 checkpoint exported to HF."""
+import json
+
+import deepspeed
+import pytest
+import torch
+
+from helpers import presets, train
+from helpers.config import ConfigError
+from helpers.metrics import read_tensorboard
+
+SMALL = dict(seq_len=16, n_samples=64, eval_samples=16, steps=4)   # eval: one batch of 16 = all held-out samples
+
+
+@pytest.fixture(scope="module")
+def torchrun_zero3(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torchrun_zero3")
+    return out, train.run(presets.CONFIG_DIR / "zero3.json", 2, "torchrun", out_dir=out, save_every=2, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_zero2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed_zero2")
+    return out, train.run(presets.CONFIG_DIR / "zero2.json", 2, "deepspeed", out_dir=out, **SMALL)
+
+
+def test_two_ranks_train_one_model(torchrun_zero3):
+    _, ranks = torchrun_zero3
+    assert [(r["rank"], r["world_size"], r["steps"]) for r in ranks] == [(0, 2, 4), (1, 2, 4)]
+    assert [m["step"] for m in ranks[0]["history"]] == [1, 2, 3, 4]
+    assert ranks[0]["eval_loss"] == ranks[1]["eval_loss"]          # one model, whichever rank asks
+    assert ranks[0]["history"][0]["loss"] != ranks[1]["history"][0]["loss"]   # each rank its own shard
+
+
+def test_rank0_writes_metrics_json(torchrun_zero3):
+    out, ranks = torchrun_zero3
+    assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(ranks[0]))
+
+
+def test_checkpoints_every_k_steps_with_a_partition_per_rank(torchrun_zero3):
+    out, ranks = torchrun_zero3
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step4" and ranks[0]["checkpoint"].endswith("step4")
+    for tag in ("step2", "step4"):
+        assert sorted(p.name for p in (checkpoints / tag).glob("*optim_states.pt")) == [
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert (checkpoints / "config.json").is_file() and (checkpoints / "tokenizer.json").is_file()
+
+
+def test_tensorboard_logs_hold_rank0_metrics(torchrun_zero3):
+    _, ranks = torchrun_zero3
+    steps, losses = read_tensorboard(ranks[0]["tensorboard"])["train/loss"]
+    assert steps == [1, 2, 3, 4]
+    assert losses == pytest.approx([m["loss"] for m in ranks[0]["history"]], rel=1e-6)   # stored as float32
+
+
+def test_two_rank_zero3_checkpoint_exports_to_hf(torchrun_zero3, tmp_path):
+    """Export from the files alone; the HF model's held-out loss is the engine's, and it generates."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import export
+    from helpers.data import SyntheticTextDataset
+    out, ranks = torchrun_zero3
+    hf_dir = export.export_hf(out / "checkpoints", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    model.loss_type = "ForCausalLM"   # as helpers.trainer.build_model does: GPT-2's class name maps to no loss
+    tokenizer = SyntheticTextDataset("markov", n_samples=64, seq_len=16, seed=0).tokenizer
+    held_out = SyntheticTextDataset("markov", n_samples=16, seq_len=16, seed=1, tokenizer=tokenizer)   # train.py's
+    with torch.no_grad():
+        ids = torch.stack([held_out[i]["input_ids"] for i in range(len(held_out))])
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert loss == pytest.approx(ranks[0]["eval_loss"], abs=1e-5)   # measured: 9.5e-07 (summation order)
+    prompt = " ".join(held_out.texts[0].split()[:3])
+    assert len(export.generate_text(hf_dir, prompt, max_new_tokens=5).split()) == 3 + 5
+
+
+def test_deepspeed_launcher_trains_the_same_model(deepspeed_zero2, torchrun_zero3):
+    """Same seed and data: ZeRO-2 under `deepspeed` and ZeRO-3 under torchrun compute the same run."""
+    _, ds_ranks = deepspeed_zero2
+    _, tr_ranks = torchrun_zero3
+    assert [(r["rank"], r["world_size"], r["steps"]) for r in ds_ranks] == [(0, 2, 4), (1, 2, 4)]
+    for ds, tr in zip(ds_ranks, tr_ranks):
+        assert [m["loss"] for m in ds["history"]] == pytest.approx([m["loss"] for m in tr["history"]], abs=1e-5)
+    assert ds_ranks[0]["eval_loss"] == pytest.approx(tr_ranks[0]["eval_loss"], abs=1e-5)   # measured: identical
+
+
+def test_resume_continues_the_run(tmp_path, capsys):
+    common = ["--config", str(presets.CONFIG_DIR / "zero0.json"), "--seq-len", "16", "--n-samples", "64",
+              "--eval-samples", "16"]
+    first = train.main(common + ["--steps", "2", "--output-dir", str(tmp_path / "a")])
+    assert f"metrics:     {tmp_path / 'a' / 'metrics.json'}" in capsys.readouterr().out
+    resumed = train.main(common + ["--steps", "3", "--output-dir", str(tmp_path / "b"),
+                                   "--resume-from", str(tmp_path / "a" / "checkpoints")])
+    assert [m["step"] for m in resumed["history"]] == [1, 2, 3]
+    assert resumed["history"][:2] == first["history"]
+    assert resumed["checkpoint"] == str(tmp_path / "b" / "checkpoints" / "step3")
+
+
+# ---- mapping a file onto the trainer; files it cannot run are refused ----
+
+@pytest.mark.parametrize("name", [n for n in presets.PRESETS if n != "pipeline"])
+def test_presets_map_onto_trainer_arguments(name):
+    config = presets.preset(name)
+    args = train.trainer_arguments(config, world_size=2)
+    assert args["zero_stage"] == config["zero_optimization"]["stage"]
+    assert args["precision"] == {"bf16": "bf16", "fp16": "fp16"}.get(name, "fp32")
+    assert (args["offload_optimizer"], args["offload_param"]) == ("offload" in name, name == "zero3_offload")
+    assert (args["micro_batch"], args["grad_accum"], args["lr"]) == (16, 1, 3e-3)
+    assert args["config_extra"]["scheduler"] == config["scheduler"]   # passed through unchanged
+    assert "optimizer" not in args["config_extra"] and args["zero_extra"] == {}
+
+
+def test_micro_batch_from_train_batch_size_and_world_size():
+    config = {k: v for k, v in presets.preset("zero2").items() if k != "train_micro_batch_size_per_gpu"}
+    assert train.trainer_arguments({**config, "train_batch_size": 64}, world_size=2)["micro_batch"] == 32
+    with pytest.raises(ConfigError, match="not a multiple"):
+        train.trainer_arguments({**config, "train_batch_size": 63}, world_size=2)
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"pipeline": {}}, "PipelineModule"),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type='Lamb'"),
+    ({"scheduler": None}, "no 'scheduler' block"),
+])
+def test_files_the_trainer_cannot_run_are_refused(change, problem):
+    config = {k: v for k, v in {**presets.preset("zero2"), **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=problem):
+        train.trainer_arguments(config, world_size=1)
+
+
+def test_settings_the_engine_did_not_get_are_named():
+    wanted = presets.preset("zero2_offload")
+    used = json.loads(json.dumps(wanted))
+    used["optimizer"]["params"]["betas"] = [0.9, 0.999]
+    used["zero_optimization"]["offload_optimizer"]["pin_memory"] = True
+    used["tensorboard"] = {"enabled": True}   # the script's own: never a difference
+    assert train.unhonoured(wanted, used) == [
+        "optimizer.params.betas: file [0.9, 0.95], trainer [0.9, 0.999]",
+        "zero_optimization.offload_optimizer.pin_memory: file False, trainer True"]
+    assert train.unhonoured(wanted, wanted) == []
+
+
+def test_fp16_file_on_cpu_stops_before_the_engine(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs fp16")
+    monkeypatch.setattr(deepspeed, "initialize", lambda *a, **k: pytest.fail("engine built for fp16 on a CPU"))
+    with pytest.raises(ConfigError, match="fp16.enabled is true but this device is a CPU"):
+        train.main(["--config", str(presets.CONFIG_DIR / "fp16.json"), "--seq-len", "16", "--n-samples", "64",
+                    "--output-dir", str(tmp_path)])
+
+
+def test_deepspeed_launchers_local_rank_flag_is_accepted():
+    assert train.parse(["--config", "c.json", "--local_rank=1"]).config == "c.json"
+    with pytest.raises(SystemExit):
+        train.parse(["--config", "c.json", "--steps", "0"])
+
+
+def test_missing_config_is_named_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="nope.json not found"):
+        train.run("configs/nope.json", 2, out_dir=tmp_path / "never")
+    assert not (tmp_path / "never").exists()
