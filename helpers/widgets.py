@@ -1,0 +1,158 @@
+"""The memory explorer as ipywidgets: a control for every choice of helpers.explorer.estimate, and a
+chart, a verdict and the DeepSpeed JSON that follow them.
+
+Works with ipywidgets 7.7 (Colab) and 8.x by construction: it uses only API the two share, namely
+Dropdown, ToggleButtons with (label, value) options, IntSlider(continuous_update=False), Checkbox,
+HTML, Image(format="png"), VBox/HBox, Layout(display=, width=), style={"description_width": ...} and
+traitlets' observe(handler, names="value"). The chart is a PNG in an Image widget and the text is
+HTML rather than prints into an Output widget: they update the same way in every front end, and
+without a kernel, so tests read them from .value. All the logic is in `render`, testable alone.
+"""
+from __future__ import annotations
+
+import html
+import io
+import json
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+
+from . import explorer as logic
+from .plots import finish
+
+DEFAULTS = dict(model="GPT-2 1.5B", gpu="T4", n_gpus_per_node=1, n_nodes=1, stage=0, offload="none",
+                precision="fp16", micro_batch=1, grad_accum=8, checkpointing=False, seq_len=1024)
+SEQ_LENS = (256, 512, 1024, 2048, 4096)
+PARTS = (("model_states_gb", "model states", "tab:blue"), ("activations_gb", "activations", "tab:orange"),
+         ("overhead_gb", "overhead", "tab:gray"))   # plots.plan_bars' colours
+WIDE = {"description_width": "initial"}   # long labels are not cut off
+
+
+def memory_figure(est: dict):
+    """One stacked bar of GB per GPU by part (as helpers.plots.plan_bars) against the GPU's memory."""
+    fig, ax = plt.subplots(figsize=(8, 2.2))
+    left = 0.0
+    for key, label, colour in PARTS:
+        ax.barh(["per GPU"], [est[key]], left=left, color=colour, label=f"{label} {est[key]:.1f} GB")
+        left += est[key]
+    memory = est["gpu_memory_gb"]
+    ax.axvline(memory, color="black", ls="--", label=f"{est['gpu']} memory {memory:g} GB")
+    ax.set(xlim=(0, 1.15 * max(left, memory)), xlabel="GB per GPU",
+           title=f"{est['model']} on {est['world_size']} x {est['gpu']}, ZeRO {est['stage']}: "
+                 f"{'fits' if est['fits'] else 'does not fit'}")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    return finish(fig, None, "explorer")
+
+
+def png_bytes(fig, dpi: int = 90) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def verdict(est: dict) -> str:
+    """The estimate in a few lines of plain text: fits or not (and what would), the batch, the notes."""
+    lines = [("✓ " if est["fits"] else "✗ ") + est["reason"]
+             + (f" ({est['free_gb']:.1f} GB to spare)" if est["fits"] else "")]
+    tip = est["suggestion"]
+    if not est["fits"]:
+        lines.append(f"Fits instead: ZeRO {tip['stage']}, offload {tip['offload']}, "
+                     f"{'checkpointing' if tip['checkpointing'] else 'no checkpointing'}, micro-batch "
+                     f"{tip['micro_batch']} ({tip['gpu_gb']:.1f} GB)" if tip else
+                     f"Nothing fits on {est['world_size']} x {est['gpu']} at sequence length {est['seq_len']}: "
+                     "add GPUs, shorten the sequence or pick a smaller model.")
+    gpus = f"{est['world_size']} GPU{'s' if est['world_size'] > 1 else ''}"
+    lines.append(f"Global batch {est['global_batch']} = micro-batch {est['micro_batch']} x accumulation "
+                 f"{est['grad_accum']} x {gpus} ({est['tokens_per_step']:,} tokens per step)")
+    return "\n".join(lines + [f"• {note}" for note in est["notes"]])
+
+
+def render(state: dict) -> dict:
+    """Everything the explorer shows for one set of choices, without a browser: estimate, config, json,
+    verdict (text) and figure; or, for choices DeepSpeed or the GPU would refuse, error (the message
+    naming the field) and None/empty elsewhere."""
+    try:
+        est, config = logic.estimate(**state), logic.config_for(**state)
+    except ValueError as error:   # helpers.config.ConfigError is a ValueError too
+        return {"error": str(error), "estimate": None, "config": None, "json": "", "verdict": f"✗ {error}",
+                "figure": None}
+    return {"error": None, "estimate": est, "config": config, "json": json.dumps(config, indent=2),
+            "verdict": verdict(est), "figure": memory_figure(est)}
+
+
+def _slider(description: str, value: int, high: int) -> widgets.IntSlider:
+    return widgets.IntSlider(value=value, min=1, max=max(high, value), description=description,
+                             continuous_update=False, style=WIDE)
+
+
+def make_controls(state: dict) -> dict:
+    """A widget per argument of helpers.explorer.estimate, keyed by that argument's name."""
+    return {
+        "model": widgets.Dropdown(options=list(logic.models()), value=state["model"], description="model"),
+        "gpu": widgets.Dropdown(options=list(logic.GPUS), value=state["gpu"], description="GPU"),
+        "n_gpus_per_node": _slider("GPUs per node", state["n_gpus_per_node"], 16),
+        "n_nodes": _slider("nodes", state["n_nodes"], 64),
+        "precision": widgets.ToggleButtons(options=list(logic.PRECISIONS), value=state["precision"],
+                                           description="precision", style=WIDE),
+        "stage": widgets.ToggleButtons(options=[(str(s), s) for s in (0, 1, 2, 3)], value=state["stage"],
+                                       description="ZeRO stage", style=WIDE),
+        "offload": widgets.ToggleButtons(options=list(logic.OFFLOAD_CHOICES), value=state["offload"],
+                                         description="offload", style=WIDE),
+        "micro_batch": _slider("micro-batch", state["micro_batch"], 64),
+        "grad_accum": _slider("grad. accumulation", state["grad_accum"], 64),
+        "seq_len": widgets.Dropdown(options=sorted({*SEQ_LENS, state["seq_len"]}), value=state["seq_len"],
+                                    description="sequence length", style=WIDE),
+        "checkpointing": widgets.Checkbox(value=state["checkpointing"], description="activation checkpointing"),
+    }
+
+
+class Explorer(widgets.VBox):
+    """The controls above a verdict, the memory chart and the DeepSpeed JSON; any change re-renders."""
+
+    def __init__(self, **initial):
+        unknown = set(initial) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"explorer() got unknown setting(s) {sorted(unknown)}: use {list(DEFAULTS)}")
+        state = {**DEFAULTS, **initial}
+        logic.check(**state)   # a clear error naming the field, not a Dropdown's "invalid selection"
+        super().__init__()
+        self.controls = make_controls(state)
+        self.verdict = widgets.HTML()
+        self.chart = widgets.Image(format="png")
+        self.config_view = widgets.HTML()
+        names = list(self.controls)
+        columns = [widgets.VBox([self.controls[n] for n in names[:5]]),
+                   widgets.VBox([self.controls[n] for n in names[5:]])]
+        self.children = [widgets.HBox(columns), self.verdict, self.chart, self.config_view]
+        for control in self.controls.values():
+            control.observe(self._changed, names="value")
+        self.refresh()
+
+    @property
+    def settings(self) -> dict:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def _changed(self, change) -> None:
+        self.refresh()
+
+    def refresh(self) -> dict:
+        """Recompute from the controls' values and update the views; returns what `render` gave."""
+        shown = render(self.settings)
+        ok = shown["error"] is None
+        colour = "#1a7f37" if ok and shown["estimate"]["fits"] else "#b3261e"
+        first, *rest = html.escape(shown["verdict"]).split("\n")
+        self.verdict.value = (f"<div><b style='color:{colour}'>{first}</b>"
+                              + "".join(f"<br>{line}" for line in rest) + "</div>")
+        self.chart.layout.display = None if ok else "none"
+        if ok:
+            self.chart.value = png_bytes(shown["figure"])
+            self.config_view.value = ("<details open><summary>DeepSpeed config (JSON)</summary><pre>"
+                                      f"{html.escape(shown['json'])}</pre></details>")
+        else:
+            self.config_view.value = ""
+        return shown
+
+
+def explorer(**initial) -> Explorer:
+    """The explorer widget (display it as a cell's value); keyword arguments override DEFAULTS."""
+    return Explorer(**initial)
