@@ -237,3 +237,35 @@ def pipeline_timeline(stage_events: list[list[dict]], save_dir=None, title: str 
     ax.invert_yaxis()
     ax.set(xlabel="ms since the first forward (gaps = idle)", title=title)
     return finish(fig, save_dir, name)
+
+
+def loss_scale(history: list[dict], save_dir=None, title="Dynamic loss scaling"):
+    """Top: the loss scale each step used (log2), overflow steps marked. Bottom: skipped steps so far."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.2), sharex=True)
+    steps = [h["step"] for h in history]
+    top.step(steps, [np.log2(h["scale"]) for h in history], where="post", label="scale")
+    bad = [h for h in history if h["overflow"]]
+    top.scatter([h["step"] for h in bad], [np.log2(h["scale"]) for h in bad], color="tab:red", zorder=3,
+                label="overflow (step skipped)")
+    top.set(ylabel="log2(loss scale)", title=title)
+    top.legend(fontsize=8)
+    bottom.step(steps, [h["skipped_steps"] for h in history], where="post", color="tab:red")
+    bottom.set(xlabel="step", ylabel="skipped steps")
+    return finish(fig, save_dir, "loss_scale")
+
+
+def curriculum(result: dict, save_dir=None):
+    """Left: sequence length per step (the curriculum's difficulty) of both runs. Right: held-out loss
+    at full length against tokens seen."""
+    fig, (length, loss) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for name, style in (("curriculum", "-"), ("baseline", "--")):
+        run = result[name]
+        length.step([h["step"] for h in run["history"]], [h["seq_len"] for h in run["history"]], where="post",
+                    ls=style, label=name)
+        loss.plot([e["tokens_seen"] for e in run["evals"]], [e["heldout_loss"] for e in run["evals"]], "o" + style,
+                  ms=3, label=name)
+    length.set(xlabel="step", ylabel="sequence length", title="Difficulty over steps")
+    loss.set(xlabel="tokens seen", ylabel="held-out loss (full length)", title="Loss against tokens seen")
+    for ax in (length, loss):
+        ax.legend()
+    return finish(fig, save_dir, "curriculum")

@@ -83,6 +83,14 @@ def describe() -> list[dict]:
     return rows
 
 
+def resolve(config_path: str | Path) -> Path:
+    """A config path as given, or relative to the repository ("configs/zero2.json" from notebooks/ too)."""
+    for candidate in (Path(config_path), CONFIG_DIR.parent / config_path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise FileNotFoundError(f"config file {config_path} not found (looked here and under {CONFIG_DIR.parent})")
+
+
 def training_arguments(config_path: str | Path, output_dir: str | Path, **overrides):
     """HF `TrainingArguments` that agree with a DeepSpeed config file, for `Trainer(args=...)`.
 
@@ -92,7 +100,8 @@ def training_arguments(config_path: str | Path, output_dir: str | Path, **overri
     """
     import torch
     from transformers import TrainingArguments
-    config = json.loads(Path(config_path).read_text())
+    config_path = resolve(config_path)
+    config = json.loads(config_path.read_text())
     params, schedule = config["optimizer"]["params"], config["scheduler"]["params"]
     matching = dict(
         per_device_train_batch_size=config["train_micro_batch_size_per_gpu"],
@@ -122,6 +131,16 @@ def hf_trainer(config_path: str | Path, model, data, output_dir: str | Path, sto
 
     return Trainer(model=model, args=training_arguments(config_path, output_dir, **overrides), train_dataset=data,
                    data_collator=DataCollatorForLanguageModeling(data.tokenizer, mlm=False), callbacks=[StopAfter()])
+
+
+def release_hf_deepspeed() -> None:
+    """Undo the global state HF Trainer(deepspeed=...) leaves behind: its DeepSpeed config (which
+    changes how later from_pretrained calls build models) and ACCELERATE_USE_DEEPSPEED in the
+    environment (inherited by every process started afterwards)."""
+    import os
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    unset_hf_deepspeed_config()
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
 
 
 if __name__ == "__main__":
