@@ -1,0 +1,90 @@
+"""Faults (issue 8): a crash in the middle of a save leaves the previous checkpoint as the one resume
+picks; incomplete, unreadable or mis-pointed checkpoints raise clear errors; a NaN loss stops
+training naming the step."""
+import pytest
+import torch
+
+from helpers.checkpoints import CheckpointCorruptError, CheckpointNotFoundError, find_checkpoint, write_latest
+from helpers.data import SyntheticTextDataset
+from helpers.trainer import AdvancedDeepSpeedTrainer
+
+
+@pytest.fixture(scope="module")
+def data():
+    return SyntheticTextDataset("markov", n_samples=128, seq_len=32, seed=0)
+
+
+def make(data, path, **kw):
+    return AdvancedDeepSpeedTrainer(data, model_size="tiny", zero_stage=1, micro_batch=4, warmup_steps=2,
+                                    total_steps=20, output_dir=path, **kw)
+
+
+@pytest.fixture(scope="module")
+def saved(data, tmp_path_factory):
+    """A run with a good checkpoint at step 2, whose save at step 4 crashed while writing optimizer state."""
+    path = tmp_path_factory.mktemp("crash")
+    trainer = make(data, path)
+    trainer.train(2, progress=False)
+    good = trainer.save_checkpoint(path / "ckpt")
+    trainer.train(2, progress=False)
+    real_save = torch.save
+
+    def crash_on_optimizer_state(obj, f, *args, **kwargs):
+        if "optim_states" in str(f):
+            raise OSError("disk full (simulated crash mid-save)")
+        return real_save(obj, f, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "save", crash_on_optimizer_state)
+        with pytest.raises(OSError, match="simulated"):
+            trainer.save_checkpoint(path / "ckpt")
+    trainer.engine.destroy()
+    return path / "ckpt", good
+
+
+def test_crash_mid_save_leaves_the_previous_checkpoint_as_latest(saved, data, tmp_path):
+    directory, good = saved
+    assert (directory / "step4").is_dir()                      # the broken save left files behind
+    assert find_checkpoint(directory, 1, 1) == good             # ... but `latest` still names step 2
+    resumed = make(data, tmp_path, resume_from=directory)
+    assert resumed.step == 2 and resumed.batches.position == 2
+    resumed.engine.destroy()
+
+
+def test_incomplete_checkpoint_is_refused_naming_the_missing_file(saved):
+    directory, _ = saved
+    write_latest(directory, "step4")
+    try:
+        with pytest.raises(CheckpointNotFoundError, match="incomplete, missing.*optim_states.*available"):
+            find_checkpoint(directory, 1, 1)
+    finally:
+        write_latest(directory, "step2")
+
+
+@pytest.mark.parametrize("content", ["", "../elsewhere"])
+def test_latest_that_names_no_tag_is_refused(tmp_path, content):
+    (tmp_path / "latest").write_text(content)
+    with pytest.raises(CheckpointNotFoundError, match="not a checkpoint tag"):
+        find_checkpoint(tmp_path)
+
+
+def test_unreadable_checkpoint_raises_a_corrupt_error_before_training(saved, data, tmp_path):
+    directory, good = saved
+    broken = tmp_path / "ckpt"
+    broken.mkdir()
+    (broken / "step2").mkdir()
+    for f in good.iterdir():
+        (broken / "step2" / f.name).write_bytes(f.read_bytes()[: f.stat().st_size // 2])   # truncated copies
+    write_latest(broken, "step2")
+    with pytest.raises(CheckpointCorruptError, match="could not be read.*truncated or corrupt"):
+        make(data, tmp_path / "run", resume_from=broken)
+
+
+def test_nan_loss_stops_training_naming_the_step(data, tmp_path):
+    trainer = make(data, tmp_path)
+    trainer.train(1, progress=False)
+    with torch.no_grad():
+        trainer.engine.module.transformer.wte.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="loss became nan at step 2"):
+        trainer.train(1, progress=False)
+    trainer.engine.destroy()
