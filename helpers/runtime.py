@@ -97,6 +97,9 @@ def init_single_process() -> dict[str, str]:
         for key, value in defaults.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+        with silenced_stderr():   # DeepSpeed probes every op once here; the libaio link test's error is noise
+            import deepspeed.ops
+            deepspeed.ops.__compatible_ops__
         deepspeed.init_distributed(verbose=False)
     else:   # the group exists; deepspeed.initialize still reads these three from the environment
         for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
