@@ -22,9 +22,9 @@ import torch
 
 from helpers import comms, memory
 from helpers.config import ConfigError, build_config, validate
-from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
-from helpers.trainer import MODEL_SIZES, AdvancedDeepSpeedTrainer, gpt2_param_count
+from helpers.experiments import zero_stages
+from helpers.trainer import AdvancedDeepSpeedTrainer
 
 COMM_DTYPES = ("fp32", "bf16", "fp16")
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -103,11 +103,7 @@ def run_dtype(a, dtype: str, data, n_params: int) -> dict:
 
 def main(argv=None):
     a = parse(argv)
-    if a.steps < 3:
-        raise SystemExit(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
-    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
-    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
-    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+    data, n_params = zero_stages.setup(a)
     if a.zeropp is not None:
         write_result(a.out, zeropp_trial(a, data, n_params))
     else:

@@ -69,13 +69,19 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
     return result
 
 
-def main(argv=None):
-    a = parse(argv)
+def setup(a):
+    """(data, n_params) for a run of --steps (>= 3: a warm-up, a logged and a timed step); shared with
+    the other experiments that train the tiny GPT-2 on every rank."""
     if a.steps < 3:
         raise SystemExit(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
     data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
     n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
-    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+    return data, gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+
+
+def main(argv=None):
+    a = parse(argv)
+    data, n_params = setup(a)
     write_result(a.out, {"stages": [run_stage(a, s, data, n_params) for s in a.stages]})
     torch.distributed.barrier()
 
