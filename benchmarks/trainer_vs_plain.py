@@ -1,23 +1,25 @@
-"""A plain PyTorch loop vs AdvancedDeepSpeedTrainer (ZeRO 0-3) vs HF Trainer(deepspeed=same config).
+"""A plain PyTorch loop vs AdvancedDeepSpeedTrainer (ZeRO 0-3) vs HF Trainer(deepspeed=the same config).
 
     python -m benchmarks.trainer_vs_plain            # CPU: 4.3M-param GPT-2, fp32; GPU: GPT-2 124M, bf16
-    python -m benchmarks.trainer_vs_plain --smoke    # tiny sizes, a minute: keeps the benchmark runnable in CI
+    python -m benchmarks.trainer_vs_plain --smoke    # tiny sizes, under a minute: keeps it runnable in CI
 
 Identical work: same model init, micro-batches and order, precision, and AdamW math (benchmarks.contenders).
 Each contender runs in its own process (benchmarks.workers); after one warm-up block each they alternate
-in rounds of one --steps block each, the order reversed every other round (ABBA), so a busy spell of the
-machine hits every contender. Per contender: the median tokens/s over rounds, and the median (min-max) of
-the per-round speed ratios to the plain loop (blocks of one round ran back to back, under the same noise).
-A block's clock covers all a contender does per step: data, forward, backward, clipping, update, the
-loss's host sync, its logging.
+in rounds of one --steps block each, the order reversed every other round, so a busy spell of the machine
+hits every contender. A block's clock covers all a contender does per step: data, forward, backward,
+clipping, update, the loss's host sync, its logging.
+Per contender: the median tokens/s over rounds, and the median (min-max) of the per-round ratios to the
+plain loop (blocks of one round run close together, under similar noise), by wall clock and by the CPU
+seconds the process used (which other load on a shared machine does not inflate, at one thread).
+plain2, the plain loop a second time in another process, shows the noise floor of those ratios.
 MFU = achieved FLOP/s / the machine's peak matmul FLOP/s in the run's precision, measured in this run
 (best of measurements between rounds: noise only ever slows a matmul down), with
     FLOPs per token = 6 N + 12 n_layer d_model seq_len
-(forward + backward, Kaplan et al. 2020 / Chinchilla's approximation: 2N per token forward, 4N backward;
-the second term is attention's QK^T and AV; N = parameters except the position embeddings, which do no
-matmul; the tied token embedding counts once, as the LM-head matmul).
-Memory per contender (its own process): peak resident set (CPU) or CUDA allocator peak (GPU), and the tensor
-bytes it keeps between steps (parameters, gradients, optimizer state, DeepSpeed's buffers).
+(forward 2N + backward 4N, plus attention's QK^T and AV, as in PaLM's appendix B; N = parameters except
+the position embeddings, which do no matmul; the tied token embedding counts once, as the LM head).
+Memory per contender (its own process): peak resident set (CPU) or CUDA allocator peak (GPU), with the
+baseline after imports, and the tensor bytes kept between steps (parameters, gradients, optimizer state,
+DeepSpeed's buffers; on a CPU a buffer's untouched pages are not resident).
 """
 from __future__ import annotations
 
@@ -131,23 +133,23 @@ def run(a) -> dict:
         peaks = [matmul_flops(a.matmul_size, a.device, dtype)]
         for w in workers:   # warm-up block: allocator, kernels, optimizer state
             w.call("train", a.steps)
-        walls = {w.name: [] for w in workers}
+        blocks = {w.name: [] for w in workers}   # per round: {"wall_s", "cpu_s"}
         for r in range(a.rounds):
             for w in workers if r % 2 == 0 else workers[::-1]:
-                walls[w.name].append(w.call("train", a.steps))
+                blocks[w.name].append(w.call("train", a.steps))
             peaks.append(matmul_flops(a.matmul_size, a.device, dtype))
-            progress(r, a.rounds, walls)
+            progress(r, a.rounds, blocks)
         reports = {w.name: w.call("report") for w in workers}
     finally:
         for w in workers:
             w.close()
-    return report(a, data, walls, reports, max(peaks), time.perf_counter() - start)
+    return report(a, data, blocks, reports, max(peaks), time.perf_counter() - start)
 
 
-def progress(r: int, rounds: int, walls: dict) -> None:
+def progress(r: int, rounds: int, blocks: dict) -> None:
     """One line per round on stderr: a run of minutes shows it is alive."""
-    blocks = ", ".join(f"{name} {times[-1]:.1f}" for name, times in walls.items())
-    print(f"round {r + 1}/{rounds}, seconds per block: {blocks}", file=sys.stderr, flush=True)
+    line = ", ".join(f"{name} {b[-1]['wall_s']:.1f}" for name, b in blocks.items())
+    print(f"round {r + 1}/{rounds}, seconds per block: {line}", file=sys.stderr, flush=True)
 
 
 def flops_per_token(a, vocab_size: int) -> tuple[int, int]:
@@ -163,8 +165,10 @@ def ratio_stats(mine: list[float], theirs: list[float]) -> dict:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
-def report(a, data, walls: dict, reports: dict, peak: float, seconds: float, k: int = 5) -> dict:
+def report(a, data, blocks: dict, reports: dict, peak: float, seconds: float, k: int = 5) -> dict:
     tokens = a.steps * a.micro_batch * a.seq_len   # per block
+    walls = {name: [b["wall_s"] for b in bs] for name, bs in blocks.items()}
+    cpus = {name: [b["cpu_s"] for b in bs] for name, bs in blocks.items()}
     # fp32: the contenders differ only in summation order. bf16: DeepSpeed keeps bf16 weights with fp32
     # master copies while the plain loop autocasts fp32 weights, so the losses agree only roughly.
     tol = 1e-3 if a.precision == "fp32" else 5e-2
@@ -178,6 +182,11 @@ def report(a, data, walls: dict, reports: dict, peak: float, seconds: float, k: 
         rows[name] = {
             "tokens_per_s": rate, "tokens_per_s_rounds": [tokens / w for w in walls[name]],
             "vs_plain": ratio_stats(walls[name], walls["plain"]),
+            # CPU seconds the process used: other load on the machine does not add to it (at one thread;
+            # with more, waiting threads may spin). Ratio = plain's CPU time / this one's.
+            "cpu_s_per_step": statistics.median(cpus[name]) / a.steps,
+            "vs_plain_cpu": ratio_stats(cpus[name], cpus["plain"]),
+            "vs_hf_same_stage_cpu": ratio_stats(cpus[name], cpus[hf]) if hf in cpus else None,
             "vs_hf_same_stage": ratio_stats(walls[name], walls[hf]) if hf in walls else None,
             "mfu": rate * fpt / peak,
             "peak_memory_mib": rep["peak_bytes"] / 2**20, "baseline_memory_mib": rep["baseline_bytes"] / 2**20,
@@ -207,8 +216,10 @@ def versions() -> dict:
             "transformers": version("transformers")}
 
 
-def ratio_text(stats: dict | None) -> str:
-    return "" if stats is None else f"{stats['median']:.3f} ({stats['min']:.2f}-{stats['max']:.2f})"
+def ratio_text(stats: dict | None, spread: bool = True) -> str:
+    if stats is None:
+        return ""
+    return f"{stats['median']:.3f}" + (f" ({stats['min']:.2f}-{stats['max']:.2f})" if spread else "")
 
 
 def markdown(r: dict, k: int) -> str:
@@ -222,19 +233,23 @@ def markdown(r: dict, k: int) -> str:
         f"{c['steps']} steps after a warm-up block. Peak {c['precision']} matmul "
         f"{r['peak_flops'] / 1e9:,.1f} GFLOP/s; FLOPs/token = {r['flops_formula']} = "
         f"{r['flops_per_token'] / 1e6:,.2f} M.", "",
-        f"| contender | tokens/s | vs plain (min-max) | vs HF same stage | MFU | {r['memory_kind']} MiB "
-        f"(above start) | kept tensors MiB | max abs Δloss vs plain, first {k} / all | final loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        f"| contender | tokens/s | vs plain (min-max) | vs plain, CPU time | vs HF same stage (min-max) | "
+        f"vs HF, CPU time | MFU | {r['memory_kind']} MiB (above start) | kept tensors MiB | "
+        f"max abs Δloss vs plain, first {k} / all | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in rows.items():
         lines.append(
             f"| {name} | {row['tokens_per_s']:,.0f} | {ratio_text(row['vs_plain'])} | "
-            f"{ratio_text(row['vs_hf_same_stage'])} | {row['mfu']:.1%} | "
+            f"{ratio_text(row['vs_plain_cpu'], spread=False)} | {ratio_text(row['vs_hf_same_stage'])} | "
+            f"{ratio_text(row['vs_hf_same_stage_cpu'], spread=False)} | {row['mfu']:.1%} | "
             f"{row['peak_memory_mib']:,.0f} ({row['peak_memory_mib'] - row['baseline_memory_mib']:+,.0f}) | "
             f"{row['state_mib']:,.1f} | {row['max_loss_diff_first_steps']:.1e} / {row['max_loss_diff_all_steps']:.1e} "
             f"| {row['final_loss']:.4f} |")
     lines += ["", f"plain = hand-written loop, dsN = AdvancedDeepSpeedTrainer at ZeRO N, hfN = HF Trainer with "
               f"deepspeed= the same config, plain2 = the plain loop again (its ratio to plain is the noise floor). "
-              f"{len(rows['plain']['losses'])} steps each; total {r['wall_s']:.0f} s."]
+              f"Ratios > 1: faster. CPU time = the seconds of CPU the process used, which other load on the "
+              f"machine does not inflate at one thread. {len(rows['plain']['losses'])} steps each; "
+              f"total {r['wall_s']:.0f} s."]
     return "\n".join(lines)
 
 

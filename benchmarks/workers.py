@@ -75,11 +75,11 @@ def serve(conn, name: str, data, setup, log_path: str) -> None:
         while True:
             command, arg = conn.recv()
             if command == "train":
-                start = time.perf_counter()
+                wall, cpu = time.perf_counter(), time.process_time()   # process_time: all this process's threads
                 contender.train(arg)
                 if setup.device == "cuda":
                     torch.cuda.synchronize()
-                conn.send(("ok", time.perf_counter() - start))
+                conn.send(("ok", {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}))
             elif command == "report":
                 contender.finish()
                 conn.send(("ok", {"losses": contender.losses, "lrs": contender.lrs,

@@ -4,7 +4,9 @@ import pytest
 
 from helpers.config import ConfigError
 from helpers.data import SyntheticTextDataset
-from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError, generate, build_model
+from helpers.metrics import read_tensorboard
+from helpers.runtime import detect
+from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError, build_model, generate, trainer_config
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +80,29 @@ def test_resume_with_a_different_dataset_size_is_refused(data, tmp_path):
     smaller = SyntheticTextDataset("markov", n_samples=128, seq_len=32, seed=0, tokenizer=data.tokenizer)
     with pytest.raises(ValueError, match="dataset size"):
         ResumableBatches(smaller, 8, seed=0).load_state_dict(saved)
+
+
+def test_cpu_defaults_fused_adamw_and_no_bucket_on_one_rank():
+    runtime = detect()
+    assert not runtime.is_gpu   # these are the CPU defaults
+    config = {stage: trainer_config(runtime, micro_batch=8, zero_stage=stage) for stage in (0, 1, 2, 3)}
+    for stage, c in config.items():
+        assert c["optimizer"]["params"]["torch_adam"] and c["optimizer"]["params"]["fused"], stage
+        assert ("contiguous_gradients" in c["zero_optimization"]) == (stage in (1, 2)), stage
+    assert config[2]["zero_optimization"]["contiguous_gradients"] is False
+    # the caller's choices win over the defaults
+    mine = trainer_config(runtime, micro_batch=8, zero_stage=2, zero_extra={"contiguous_gradients": True})
+    assert mine["zero_optimization"]["contiguous_gradients"] is True
+    offload = trainer_config(runtime, micro_batch=8, zero_stage=2, offload_optimizer=True)
+    assert "fused" not in offload["optimizer"]["params"]   # DeepSpeedCPUAdam, not torch's AdamW
+
+
+def test_one_rank_skips_the_allreduce_and_every_step_reaches_tensorboard(data, tmp_path, monkeypatch):
+    trainer = small(data, tmp_path)
+    calls = []
+    monkeypatch.setattr(trainer.engine, "allreduce_gradients", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(AdvancedDeepSpeedTrainer, "LOG_EVERY", 3)   # 7 steps: two batched writes and a rest
+    history = trainer.train(7, progress=False)
+    assert calls == []   # engine.no_sync(): nothing to average on one rank
+    steps, losses = read_tensorboard(trainer.tensorboard_logdir)["train/loss"]
+    assert steps == list(range(1, 8)) and losses == pytest.approx([m["loss"] for m in history])
