@@ -53,3 +53,15 @@ def test_flops_per_token_counts_the_models_own_parameters(result):
 def test_trainer_and_hf_of_a_stage_run_back_to_back():
     a = parse(["--device", "cpu", "--stages", "0", "1", "2", "3", "--hf-stages", "0", "1", "2"])
     assert contender_names(a) == ["plain", "ds0", "hf0", "ds1", "hf1", "ds2", "hf2", "ds3", "plain2"]
+
+
+def test_step_phases_split_each_step_into_parts_that_add_up(tmp_path):
+    from benchmarks.step_phases import PHASES
+    from benchmarks.step_phases import main as phases
+    result = phases(["--stages", "0", "--steps", "2", "--model-size", "tiny", "--seq-len", "32",
+                     "--micro-batch", "4", "--n-words", "128", "--out-dir", str(tmp_path)])
+    assert set(result[0]) == {"plain", "ds0"}
+    for name, row in result[0].items():
+        assert set(row) == set(PHASES), name
+        assert row["forward"] > 0 and row["backward"] > 0 and row["step"] > 0 and row["rest"] >= 0, name
+        assert row["total"] >= row["forward"] + row["backward"] - 1e-6, name   # the parts sit inside the step
