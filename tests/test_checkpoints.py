@@ -88,3 +88,21 @@ def test_nan_loss_stops_training_naming_the_step(data, tmp_path):
     with pytest.raises(FloatingPointError, match="loss became nan at step 2"):
         trainer.train(1, progress=False)
     trainer.engine.destroy()
+
+
+def test_two_ranks_crash_mid_save_leaves_latest_on_the_complete_checkpoint(tmp_path):
+    """Rank 1 dies writing its optimizer partition while rank 0 has finished its files. DeepSpeed's own
+    save would let rank 0 switch `latest` to the broken checkpoint; ours waits for every rank."""
+    from helpers.launch import RankFailedError, launch
+    program = "tests.rank_programs.crash_mid_save"
+    with pytest.raises(RankFailedError):
+        launch(program, 2, ["--phase=crash"], out_dir=tmp_path / "crash", timeout=300)
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "step4").is_dir()                                    # the broken save began
+    assert find_checkpoint(checkpoints, 1, 2) == checkpoints / "step2"         # `latest` did not move
+    with pytest.raises(CheckpointNotFoundError, match="incomplete.*zero_pp_rank_1"):
+        write_latest(checkpoints, "step4")
+        find_checkpoint(checkpoints, 1, 2)
+    write_latest(checkpoints, "step2")
+    resumed = launch(program, 2, ["--phase=resume"], out_dir=tmp_path / "resume", timeout=300)
+    assert [(r["step"], r["position"]) for r in resumed] == [(2, 2), (2, 2)]
