@@ -1,25 +1,86 @@
-"""Every notebook runs top to bottom twice in one kernel, without a restart (nbval runs each once).
+"""What nbval (one clean top-to-bottom run per notebook) does not cover:
 
-The second pass re-runs every cell against the state the first left behind (an initialised process
-group, existing checkpoints, open engines), which is what a reader does when they press Run All again.
+- every notebook runs top to bottom twice in one kernel, without a restart: the second pass re-runs
+  every cell against the state the first left behind (an initialised process group, existing
+  checkpoints, open engines), which is what a reader does when they press Run All again;
+- where a notebook says a section runs on its own (a `## ` heading marked ↻, cell tag `restart-point`),
+  it does, from its heading to the next `## ` heading, in a fresh kernel after only the setup cells
+  (every cell before the first ↻ section): what a reader does after restarting the kernel and
+  jumping there. The full runs add that it also runs after every earlier section;
+- both create no file inside the repository: everything goes under the run directory
+  ($TUTORIAL_RUN_DIR). (New or deleted files only: edits you make while the tests run are yours.)
 """
 import copy
+import os
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9]*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
+RESTART_TAG, RESTART_MARK = "restart-point", "↻"
+# Python's bytecode cache is the one thing an import may write next to the code.
+NOT_OURS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
+
+
+def repo_files() -> set[str]:
+    """Every file in the checkout, outside NOT_OURS."""
+    files = set()
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in NOT_OURS]
+        files |= {str(Path(folder, name).relative_to(ROOT)) for name in names}
+    return files
+
+
+def execute(cells: list, path: Path, run_dir: Path, monkeypatch) -> list:
+    """Run `cells` in a fresh kernel in the notebook's folder; return the check cells that did not print ✓.
+    Fails if the run wrote anything into the repository instead of `run_dir`."""
+    monkeypatch.setenv("TUTORIAL_RUN_DIR", str(run_dir))   # the kernel inherits it
+    before = repo_files()
+    nb = nbformat.v4.new_notebook(cells=cells, metadata=nbformat.read(path, as_version=4).metadata)
+    NotebookClient(nb, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    changed = sorted(before ^ repo_files())
+    assert not changed, f"the notebook created or deleted files in the repository, not under $TUTORIAL_RUN_DIR: {changed}"
+    assert any(run_dir.iterdir()), "nothing reached the run directory: is TUTORIAL_RUN_DIR still honoured?"
+    checks = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("# Check")]
+    assert checks, "no check cell ran"
+    return [c.source.splitlines()[0] for c in checks if not any("✓" in o.get("text", "") for o in c.outputs)]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_twice_in_one_kernel(path, tmp_path, monkeypatch):
-    monkeypatch.setenv("TUTORIAL_RUN_DIR", str(tmp_path))   # the kernel inherits it: write nothing in runs/
-    nb = nbformat.read(path, as_version=4)
-    nb.cells = nb.cells + copy.deepcopy(nb.cells)
-    NotebookClient(nb, timeout=900, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    checks = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("# Check")]
-    passed = [c for c in checks if any("✓" in o.get("text", "") for o in c.outputs)]
-    assert checks and len(passed) == len(checks)   # every check cell printed its ✓, both times
+    cells = nbformat.read(path, as_version=4).cells
+    assert execute(cells + copy.deepcopy(cells), path, tmp_path, monkeypatch) == []   # every check passed, twice
+
+
+def is_section_heading(cell) -> bool:
+    return cell.cell_type == "markdown" and cell.source.startswith("## ")
+
+
+def restart_points(cells: list) -> list[int]:
+    return [i for i, c in enumerate(cells) if RESTART_TAG in c.metadata.get("tags", [])]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_restart_marks_agree_with_tags(path):
+    """The reader sees ↻ in a heading; the tests see the tag. They must name the same cells."""
+    cells = nbformat.read(path, as_version=4).cells
+    marked = [i for i, c in enumerate(cells) if c.cell_type == "markdown"
+              and any(line.startswith("#") and RESTART_MARK in line for line in c.source.splitlines())]
+    assert marked == restart_points(cells)
+    for i in marked:   # the mark sits on the section's heading, the cell's first line
+        assert is_section_heading(cells[i]), f"cell {i}: start the cell with the ↻ section's '## ' heading"
+
+
+SECTIONS = [(path, i) for path in NOTEBOOKS for i in restart_points(nbformat.read(path, as_version=4).cells)]
+
+
+@pytest.mark.parametrize("path, start", SECTIONS, ids=[f"{p.stem}-cell{i}" for p, i in SECTIONS])
+def test_marked_section_runs_after_a_restart(path, start, tmp_path, monkeypatch):
+    cells = nbformat.read(path, as_version=4).cells
+    end = next((i for i in range(start + 1, len(cells)) if is_section_heading(cells[i])), len(cells))
+    section = cells[:restart_points(cells)[0]] + cells[start:end]   # setup cells, then only this section
+    assert execute(section, path, tmp_path, monkeypatch) == []
