@@ -36,7 +36,7 @@ def repo_files() -> set[str]:
 
 def execute(cells: list, path: Path, run_dir: Path, monkeypatch) -> list:
     """Run `cells` in a fresh kernel in the notebook's folder; return the check cells that did not print ✓.
-    Fails if the run wrote anything into the repository instead of `run_dir`."""
+    Fails if the run created or deleted a file in the repository instead of writing under `run_dir`."""
     monkeypatch.setenv("TUTORIAL_RUN_DIR", str(run_dir))   # the kernel inherits it
     before = repo_files()
     nb = nbformat.v4.new_notebook(cells=cells, metadata=nbformat.read(path, as_version=4).metadata)
