@@ -62,6 +62,7 @@ def test_step_phases_split_each_step_into_parts_that_add_up(tmp_path):
                      "--micro-batch", "4", "--n-words", "128", "--out-dir", str(tmp_path)])
     assert set(result[0]) == {"plain", "ds0"}
     for name, row in result[0].items():
-        assert set(row) == set(PHASES), name
+        assert set(row) == {*PHASES, "speed_vs_plain"}, name
         assert row["forward"] > 0 and row["backward"] > 0 and row["step"] > 0 and row["rest"] >= 0, name
         assert row["total"] >= row["forward"] + row["backward"] - 1e-6, name   # the parts sit inside the step
+    assert result[0]["ds0"]["speed_vs_plain"] > 0
