@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,16 +83,29 @@ class Plain:
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            self.lrs.append(self.opt.param_groups[0]["lr"])
-            ids = self.batches.next().to(self.device)
-            with self.autocast:
-                loss = self.model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-            self.opt.step()
-            self.sched.step()
-            self.opt.zero_grad(set_to_none=True)
-            self.losses.append(loss.item())   # one host sync per step, like the trainer
+            self.step()
+
+    def step(self) -> dict:
+        """One optimizer step; returns each phase's wall seconds (benchmarks.step_phases reads them):
+        step = clipping + AdamW + LR schedule + zero_grad; rest = data and the loss's host sync."""
+        t0 = time.perf_counter()
+        self.lrs.append(self.opt.param_groups[0]["lr"])
+        ids = self.batches.next().to(self.device)
+        t1 = time.perf_counter()
+        with self.autocast:
+            loss = self.model(input_ids=ids, labels=ids).loss
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        self.losses.append(loss.item())   # one host sync per step, like the trainer
+        t5 = time.perf_counter()
+        return {"forward": t2 - t1, "backward": t3 - t2, "step": t4 - t3, "rest": (t1 - t0) + (t5 - t4),
+                "total": t5 - t0}
 
     def state(self):
         return list(self.model.parameters()), self.opt

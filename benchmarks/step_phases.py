@@ -57,27 +57,6 @@ def trainer_step(trainer, record: dict) -> dict:
     return dict(record)
 
 
-def plain_step(p: Plain) -> dict:
-    """The plain loop's step, split the same way (step = clipping + AdamW + LR schedule + zero_grad)."""
-    t0 = time.perf_counter()
-    ids = p.batches.next().to(p.device)
-    t1 = time.perf_counter()
-    with p.autocast:
-        loss = p.model(input_ids=ids, labels=ids).loss
-    t2 = time.perf_counter()
-    loss.backward()
-    t3 = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_(p.model.parameters(), p.clip)
-    p.opt.step()
-    p.sched.step()
-    p.opt.zero_grad(set_to_none=True)
-    t4 = time.perf_counter()
-    p.losses.append(loss.item())
-    t5 = time.perf_counter()
-    return {"forward": t2 - t1, "backward": t3 - t2, "step": t4 - t3, "rest": (t1 - t0) + (t5 - t4),
-            "total": t5 - t0}
-
-
 def profile_stage(data, setup: Setup, stage: int, steps: int, warmup: int = 2) -> dict:
     ds, plain = DeepSpeedTrainer(data, setup, stage), Plain(data, setup)
     ds.train(warmup)
@@ -88,7 +67,7 @@ def profile_stage(data, setup: Setup, stage: int, steps: int, warmup: int = 2) -
         order = ("plain", "ds") if i % 2 == 0 else ("ds", "plain")
         for who in order:
             if who == "plain":
-                runs["plain"].append(plain_step(plain))
+                runs["plain"].append(plain.step())
             else:
                 runs[f"ds{stage}"].append(trainer_step(ds.trainer, record))
     rows = {name: {ph: 1e3 * statistics.median(s[ph] for s in steps_) for ph in PHASES}
