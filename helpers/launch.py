@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers.runtime import free_port, process_rank
+from helpers.runtime import CPU_BF16_FLAGS, cpu_flags, cpu_matmul_speeds, free_port, process_rank
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The notebook's own 1-rank group sets these. Both launchers overwrite them for their ranks today;
@@ -135,6 +135,8 @@ def _raise_if_failed(returncode: int | None, out: Path, n_ranks: int, launcher: 
 
 
 def _child_env(n_ranks: int) -> dict[str, str]:
+    if set(CPU_BF16_FLAGS) & cpu_flags():
+        cpu_matmul_speeds()   # measured here once, inherited: every rank picks the same CPU precision
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     # N ranks each starting one thread per core would oversubscribe the CPU N times over.

@@ -4,28 +4,49 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runtime import choose_precision, cpu_flags, detect, free_port
+from helpers.runtime import (CPU_BF16_FLAGS, MEASURED_ENV, PRECISION_ENV, choose_precision, cpu_flags, detect,
+                             free_port)
+
+pytestmark = pytest.mark.precision   # follows the precision rule: run again with the other one forced
 
 
-@pytest.mark.parametrize("capability, flags, expected", [
-    ((9, 0), set(), "bf16"),            # H100 / H200
-    ((8, 0), set(), "bf16"),            # A100
-    ((7, 5), set(), "fp16"),            # T4 (Colab free tier)
-    ((6, 0), set(), "fp16"),            # P100
-    (None, {"avx2"}, "fp32"),           # CPU without native bf16
-    (None, {"avx2", "avx512_bf16"}, "bf16"),
-    (None, {"amx_bf16"}, "bf16"),
+# Measured matmul TFLOP/s: an Intel Xeon with avx512_bf16 but no AMX (notebook 01 there), and a
+# Sapphire Rapids Xeon with AMX (this project's CI box on 2026-11-30).
+XEON_AVX512_BF16 = {"fp32": 0.239, "bf16": 0.134}
+XEON_AMX = {"fp32": 0.36, "bf16": 1.27}
+
+
+@pytest.mark.parametrize("capability, flags, speeds, expected", [
+    ((9, 0), set(), None, "bf16"),            # H100 / H200
+    ((8, 0), set(), None, "bf16"),            # A100
+    ((7, 5), set(), None, "fp16"),            # T4 (Colab free tier)
+    ((6, 0), set(), None, "fp16"),            # P100
+    (None, {"avx2"}, None, "fp32"),           # CPU without native bf16: emulated, nothing to measure
+    (None, {"avx2"}, XEON_AMX, "fp32"),       # speeds without the instructions cannot be native: ignored
+    (None, {"avx512_bf16"}, XEON_AVX512_BF16, "fp32"),        # the flag alone is not a speed
+    (None, {"avx512_bf16", "amx_bf16"}, XEON_AMX, "bf16"),
+    (None, {"amx_bf16"}, {"fp32": 1.0, "bf16": 1.4}, "fp32"),   # faster, but inside the margin
 ])
-def test_precision_rule(capability, flags, expected):
-    precision, reason = choose_precision(capability, flags)
+def test_precision_rule(capability, flags, speeds, expected):
+    precision, reason = choose_precision(capability, flags, speeds)
     assert precision == expected and reason
+
+
+def test_precision_rule_on_a_bf16_cpu_needs_a_measurement():
+    with pytest.raises(ValueError, match="speeds"):
+        choose_precision(None, {"amx_bf16"})
 
 
 def test_detect_on_this_machine_is_consistent():
     rt = detect()
     assert rt.device in ("cpu", "cuda") and rt.memory_gb > 0
     flags = cpu_flags() if rt.device == "cpu" else set()
-    assert rt.precision == choose_precision(rt.capability, flags)[0]
+    rule = choose_precision(rt.capability, flags, rt.matmul_tflops)[0]
+    forced = os.environ.get(PRECISION_ENV, "auto")
+    assert rt.precision == (rule if forced == "auto" else forced)
+    if rt.device == "cpu" and set(CPU_BF16_FLAGS) & flags:
+        assert set(rt.matmul_tflops) == {"fp32", "bf16"} and min(rt.matmul_tflops.values()) > 0
+        assert "measured" in rt.reason
 
 
 def test_free_port_is_bindable():
@@ -74,3 +95,49 @@ def test_compare_adamw_times_each_variant_on_the_same_gradients_and_leaves_the_m
     assert rows[1]["max |Δparam| vs first"] < 1e-6   # the same update, float rounding apart
     assert rows[2]["max |Δparam| vs first"] > 1e-3   # a different update shows up: the comparison can fail
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+
+
+FORCED = """
+import json
+from helpers.runtime import detect
+rt = detect()
+print(json.dumps({"precision": rt.precision, "reason": rt.reason}))
+"""
+
+
+@pytest.mark.parametrize("value", ["fp32", "bf16"])
+def test_the_environment_variable_forces_a_precision(value):
+    got = run_fresh(FORCED, **{PRECISION_ENV: value})
+    assert got["precision"] == value and PRECISION_ENV in got["reason"]
+
+
+@pytest.mark.parametrize("value", ["fp16", "bf61"])
+def test_a_precision_this_cpu_cannot_run_is_refused_naming_the_variable(value):
+    import subprocess, sys
+    if detect().is_gpu:
+        pytest.skip("fp16 is allowed on a GPU")
+    env = {**os.environ, PRECISION_ENV: value}
+    run = subprocess.run([sys.executable, "-c", FORCED], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode != 0 and f"{PRECISION_ENV}={value!r}" in run.stderr
+
+
+MEASURE_TWICE = """
+import json, os
+from helpers.runtime import MEASURED_ENV, cpu_matmul_speeds
+first = cpu_matmul_speeds(); inherited = os.environ[MEASURED_ENV]; second = cpu_matmul_speeds()
+print(json.dumps({"first": first, "second": second, "inherited": inherited}))
+"""
+
+
+def test_the_cpu_measurement_is_taken_once_and_inherited_by_child_processes():
+    env = {k: v for k, v in os.environ.items() if k != MEASURED_ENV}
+    import json, subprocess, sys
+    out = subprocess.run([sys.executable, "-c", MEASURE_TWICE], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["second"] == got["first"]   # read back, not measured again (two timings never agree exactly)
+    assert min(got["first"].values()) > 0
+    child = run_fresh("import json; from helpers.runtime import cpu_matmul_speeds; "
+                      "print(json.dumps(cpu_matmul_speeds()))", **{MEASURED_ENV: got["inherited"]})
+    assert child == got["first"]
