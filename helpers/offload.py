@@ -81,7 +81,7 @@ def run_config(name: str, data, steps: int = 6, **trainer_args) -> dict:
     history = trainer.train(steps, progress=False)
     inner = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
     result = {"name": name, "stage": trainer.config["zero_optimization"]["stage"], "n_params": n_params,
-              "optimizer": type(inner).__name__, **sides,
+              "precision": trainer.precision, "optimizer": type(inner).__name__, **sides,
               "step_s": [m["step_s"] for m in history], "losses": [m["loss"] for m in trainer.history],
               "device": str(trainer.engine.device)}
     trainer.engine.destroy()

@@ -91,7 +91,8 @@ def data():
     return SyntheticTextDataset("markov", n_samples=256, seq_len=32, seed=0)
 
 
-@pytest.mark.parametrize("stage, precision", [(s, "fp32") for s in STAGES] + [(0, "bf16"), (2, "bf16")])
+@pytest.mark.parametrize("stage, precision", [(s, "fp32") for s in STAGES] + [(0, "bf16"), (2, "bf16")] +
+                         [pytest.param(s, "auto", marks=pytest.mark.precision) for s in STAGES])
 def test_held_bytes_match_the_formula_on_one_rank(data, tmp_path, stage, precision):
     from helpers.trainer import AdvancedDeepSpeedTrainer
     extra = memory.measurement_zero_extra(420_000)   # the tiny model has 417,536 parameters

@@ -5,6 +5,8 @@ import pytest
 
 from helpers.experiments import resume
 
+pytestmark = pytest.mark.precision   # follows the precision rule: run again with the other one forced
+
 
 @pytest.mark.parametrize("n_ranks", [1, 2])
 def test_resumed_run_continues_bitwise(n_ranks, tmp_path):

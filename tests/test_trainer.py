@@ -55,6 +55,7 @@ def test_resume_from_a_missing_tag_is_an_error(data, tmp_path, no_engine):
         small(data, tmp_path, resume_from=tmp_path)
 
 
+@pytest.mark.precision   # in the rule's precision: run again with the other one forced
 def test_trains_and_resumes_exactly(data, tmp_path):
     straight = small(data, tmp_path / "a")
     first = straight.train(10, progress=False)
