@@ -254,6 +254,21 @@ def silenced_stderr():
         os.close(saved)
 
 
+@contextlib.contextmanager
+def environment(**values: str):
+    """Set environment variables for the duration of a block, then put back what was there before."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def matmul_tflops(dtype: torch.dtype, device: str, n: int = 1024, seconds: float = 0.5) -> float:
     """Measured dense matmul throughput (TFLOP/s) for one dtype: 2n^3 FLOPs per n x n product."""
     import time

@@ -8,7 +8,7 @@ import pytest
 
 from helpers.launch import RankFailedError, launch
 
-ECHO = "helpers.experiments.echo"
+ECHO = "tests.rank_programs.echo"
 
 
 @pytest.fixture(scope="module")

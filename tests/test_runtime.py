@@ -141,3 +141,15 @@ def test_the_cpu_measurement_is_taken_once_and_inherited_by_child_processes():
     child = run_fresh("import json; from helpers.runtime import cpu_matmul_speeds; "
                       "print(json.dumps(cpu_matmul_speeds()))", **{MEASURED_ENV: got["inherited"]})
     assert child == got["first"]
+
+
+def test_environment_sets_variables_for_a_block_and_restores_them():
+    from helpers.runtime import environment
+    os.environ.pop("TUTORIAL_TEST_UNSET", None)
+    os.environ["TUTORIAL_TEST_SET"] = "before"
+    try:
+        with environment(TUTORIAL_TEST_UNSET="a", TUTORIAL_TEST_SET="b"):
+            assert os.environ["TUTORIAL_TEST_UNSET"] == "a" and os.environ["TUTORIAL_TEST_SET"] == "b"
+        assert "TUTORIAL_TEST_UNSET" not in os.environ and os.environ["TUTORIAL_TEST_SET"] == "before"
+    finally:
+        os.environ.pop("TUTORIAL_TEST_SET", None)

@@ -210,14 +210,14 @@ def _same_device_as_pipeline():
     """Two ranks need two GPUs, else launch() runs them on the CPU with one thread share each. Run the
     one-rank reference the same way, so device or thread count cannot explain a loss difference."""
     import os
-    from unittest import mock
 
     from helpers.launch import gpu_count
+    from helpers.runtime import environment
     if gpu_count() >= STAGES:
-        return mock.patch.dict(os.environ, {})
+        return environment()
     threads = str(max(1, (os.cpu_count() or 1) // STAGES))
-    return mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu",
-                                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)})
+    return environment(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
+                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
 
 
 def partition_rows(results: dict) -> list[dict]:
