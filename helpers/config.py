@@ -48,10 +48,10 @@ def precision_block(precision: str) -> dict:
 
 def zero_block(stage: int, offload_optimizer: bool, offload_param: bool, extra: dict | None = None) -> dict:
     block = {"stage": stage, **(extra or {})}
-    if offload_optimizer:
-        block["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if offload_optimizer:   # an offload block given in extra is kept as written
+        block.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": False})
     if offload_param:
-        block["offload_param"] = {"device": "cpu", "pin_memory": False}
+        block.setdefault("offload_param", {"device": "cpu", "pin_memory": False})
     return block
 
 

@@ -19,15 +19,6 @@ from pathlib import Path
 
 from .memory import _tensors, held_bytes, measurement_zero_extra, storage_bytes
 
-# Name -> trainer arguments. Offload needs ZeRO >= 1; offloading parameters needs ZeRO-3.
-CONFIGS = {
-    "ZeRO-2": dict(zero_stage=2),
-    "ZeRO-2 + offload optimizer": dict(zero_stage=2, offload_optimizer=True),
-    "ZeRO-3": dict(zero_stage=3),
-    "ZeRO-3 + offload optimizer + params": dict(zero_stage=3, offload_optimizer=True, offload_param=True),
-}
-
-
 def cpu_adam_load() -> dict:
     """Load DeepSpeed's CPU Adam op, JIT-compiling it on first use; how long that took and whether
     the compiled library was already in the torch extensions cache."""
@@ -68,30 +59,34 @@ def split_by_side(engine) -> dict:
             "host_storages": len(host_ids)}
 
 
-def run_config(name: str, data, steps: int = 6, **trainer_args) -> dict:
-    """Train one configuration briefly; return where its bytes live, its step times and losses."""
+def run_config(name: str, zero_optimization: dict, data, steps: int = 6, **trainer_args) -> dict:
+    """Train the tiny model briefly with this `zero_optimization` block (offload blocks as written: offload
+    needs ZeRO >= 1, parameter offload ZeRO-3); where its bytes live, its step times and losses."""
     from .trainer import AdvancedDeepSpeedTrainer, gpt2_param_count, MODEL_SIZES
-    n_layer, n_embd, _ = MODEL_SIZES[trainer_args.get("model_size", "tiny")]
+    n_layer, n_embd, _ = MODEL_SIZES["tiny"]
     n_params = gpt2_param_count(data.vocab_size, data.seq_len, n_layer, n_embd)
-    args = dict(model_size="tiny", micro_batch=8, warmup_steps=2, total_steps=steps + 4,
-                zero_extra=measurement_zero_extra(n_params), **trainer_args)
-    trainer = AdvancedDeepSpeedTrainer(data, name=name, **{**args, **CONFIGS[name]})
+    block = {**measurement_zero_extra(n_params), **zero_optimization}
+    trainer = AdvancedDeepSpeedTrainer(
+        data, name=name, model_size="tiny", micro_batch=8, warmup_steps=2, total_steps=steps + 4,
+        zero_stage=block.pop("stage"), offload_optimizer="offload_optimizer" in block,
+        offload_param="offload_param" in block, zero_extra=block, **trainer_args)
     trainer.train(1, progress=False)       # Adam state exists after the first step
     sides = split_by_side(trainer.engine)  # what the rank holds between steps
     history = trainer.train(steps, progress=False)
     inner = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
     result = {"name": name, "stage": trainer.config["zero_optimization"]["stage"], "n_params": n_params,
-              "precision": trainer.precision, "optimizer": type(inner).__name__, **sides,
+              "precision": trainer.precision, "zero_optimization": trainer.config["zero_optimization"],
+              "optimizer": type(inner).__name__, **sides,
               "step_s": [m["step_s"] for m in history], "losses": [m["loss"] for m in trainer.history],
               "device": str(trainer.engine.device)}
     trainer.engine.destroy()
     return result
 
 
-def compare(data, steps: int = 6, output_dir=".", names=tuple(CONFIGS)) -> list[dict]:
-    """`run_config` for each named configuration, same data, model and seed."""
-    return [run_config(name, data, steps, output_dir=Path(output_dir) / f"offload{i}")
-            for i, name in enumerate(names)]
+def compare(data, zero_blocks: dict[str, dict], steps: int = 6, output_dir=".") -> list[dict]:
+    """`run_config` for each named `zero_optimization` block, same data, model and seed."""
+    return [run_config(name, block, data, steps, output_dir=Path(output_dir) / f"offload{i}")
+            for i, (name, block) in enumerate(zero_blocks.items())]
 
 
 def rows(results: list[dict]) -> list[dict]:

@@ -15,9 +15,13 @@ def data():
     return SyntheticTextDataset("markov", n_samples=128, seq_len=32, seed=0)
 
 
+CPU = {"device": "cpu", "pin_memory": False}
+
+
 def test_zero2_offload_leaves_only_parameters_on_the_accelerator(data, tmp_path):
-    plain, moved = (offload.run_config(name, data, steps=2, output_dir=tmp_path / str(i))
-                    for i, name in enumerate(("ZeRO-2", "ZeRO-2 + offload optimizer")))
+    plain, moved = (offload.run_config(name, block, data, steps=2, output_dir=tmp_path / str(i))
+                    for i, (name, block) in enumerate((("ZeRO-2", {"stage": 2}),
+                                                       ("ZeRO-2 + offload", {"stage": 2, "offload_optimizer": CPU}))))
     psi, precision = moved["n_params"], moved["precision"]
     assert plain["host_bytes"] == 0 and plain["optimizer"] == "AdamW"
     assert moved["optimizer"] == "DeepSpeedCPUAdam" and moved["host_devices"] == ["cpu"]
@@ -29,7 +33,8 @@ def test_zero2_offload_leaves_only_parameters_on_the_accelerator(data, tmp_path)
 
 
 def test_zero3_param_offload_moves_the_partitions_too(data, tmp_path):
-    r = offload.run_config("ZeRO-3 + offload optimizer + params", data, steps=1, output_dir=tmp_path)
+    r = offload.run_config("ZeRO-3 + offload optimizer + params",
+                           {"stage": 3, "offload_optimizer": CPU, "offload_param": CPU}, data, steps=1, output_dir=tmp_path)
     formula = fit.model_state_bytes(r["n_params"], 1, 3, "optimizer+params", r["precision"])["cpu"]
     # DeepSpeed 0.19 keeps one more gradient copy, in the training dtype, on the host (see notebook 05)
     assert formula <= r["host_bytes"] <= formula + {"fp32": 4, "bf16": 2}[r["precision"]] * r["n_params"]
