@@ -75,7 +75,7 @@ def test_unknown_zeropp_feature_is_named():
 
 
 def test_deepspeed_has_no_cpu_quantizer_kernel():
-    """Why quantized weights fail inside deepspeed.initialize on a CPU (what zeropp_trial reports)."""
+    """Why quantized weights fail inside deepspeed.initialize on a CPU (zeropp_trial's notes; helpers.config refuses them)."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine has the quantizer kernel")
     from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer

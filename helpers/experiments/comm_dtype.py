@@ -15,8 +15,6 @@ communication dtype, same model, data and seed; or `--zeropp ...` for one ZeRO++
 """
 import argparse
 import traceback
-from contextlib import nullcontext
-from unittest import mock
 
 import torch
 
@@ -54,8 +52,6 @@ def parse(argv=None):
     p.add_argument("--zeropp", nargs="*", choices=ZEROPP_FEATURES, default=None,
                    help="instead: one ZeRO++ trial at stage 3 with these features")
     p.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size for the 'hpz' feature")
-    p.add_argument("--bypass-validator", action="store_true",
-                   help="let DeepSpeed itself meet ZeRO++ on this device (helpers.config would refuse it on a CPU)")
     return p.parse_args(argv)
 
 
@@ -148,8 +144,9 @@ def validator_refusal(config: dict, device: str = "cpu", world_size: int = 1) ->
 def zeropp_trial(a, data, n_params: int) -> dict:
     """One rank's ZeRO++ trial: build the engine, train a few steps, report where (if anywhere) it failed.
 
-    What DeepSpeed 0.19.8 itself does on a CPU with helpers.config's check bypassed (measured here,
-    gloo, 1 NUMA node, so DeepSpeed counts every CPU rank as a node of its own):
+    On a CPU helpers.config refuses ZeRO++ before DeepSpeed sees it (a ConfigError result). Why: what
+    DeepSpeed 0.19.8 itself did on a CPU with that check switched off (measured once here, gloo, 1 NUMA
+    node, so DeepSpeed counts every CPU rank as a node of its own):
     - zero_quantized_weights fails inside deepspeed.initialize, on any number of ranks: zero.Init builds a
       CUDAQuantizer (zero/partition_parameters.py:1154), whose QuantizerBuilder().load() is the CPU
       accelerator's NotImplementedBuilder: "ValueError: This op had not been implemented on CPU backend."
@@ -165,16 +162,12 @@ def zeropp_trial(a, data, n_params: int) -> dict:
       helpers.config refuses it on a CPU all the same, with the quantized features.
     """
     extra = zeropp_block(a.zeropp, a.hpz)
-    # The bypass switches off exactly one check of helpers.config.validate; every other check stays.
-    bypass = mock.patch("helpers.config.check_zero_plus_plus") if a.bypass_validator else nullcontext()
-    result = {"features": a.zeropp, "zero_extra": extra, "bypassed_validator": a.bypass_validator,
-              "ran": False, "failed_in": None, "error": None, "where": None, "losses": []}
+    result = {"features": a.zeropp, "zero_extra": extra, "ran": False, "failed_in": None, "error": None, "where": None, "losses": []}
     try:
-        with bypass:
-            options = trainer_options(a, 3, n_params)
-            options["zero_extra"] = {**options["zero_extra"], **extra}
-            trainer = AdvancedDeepSpeedTrainer(data, **options, output_dir=f"{a.out}/zeropp")
-    except ConfigError as err:   # the validator, when not bypassed, stops it before DeepSpeed
+        options = trainer_options(a, 3, n_params)
+        options["zero_extra"] = {**options["zero_extra"], **extra}
+        trainer = AdvancedDeepSpeedTrainer(data, **options, output_dir=f"{a.out}/zeropp")
+    except ConfigError as err:   # the validator stops it before DeepSpeed (on a CPU)
         return {**result, "failed_in": "helpers.config.validate", "error": f"ConfigError: {err}"}
     except Exception as err:  # noqa: BLE001 - DeepSpeed's own failure, whatever its type, is the result
         return {**result, **describe_failure(err, "deepspeed.initialize")}
@@ -249,17 +242,16 @@ def rows(results: dict[str, list]) -> list[dict]:
 
 
 def zeropp_trials(features=("weights", "gradients", "hpz"), n_ranks: int = 2, hpz_partition_size: int = 2,
-                  bypass_validator: bool = True, out_dir=".", **options) -> dict[str, list]:
+                  out_dir=".", **options) -> dict[str, list]:
     """One launch per ZeRO++ feature (a failed engine leaves a process unusable); return {feature: [rank results]}.
 
     Each result says whether training ran, and if not, where DeepSpeed failed ("deepspeed.initialize" or
-    "step 1 (backward)"), its message and the DeepSpeed source line (see `zeropp_trial`). On a CPU use
-    bypass_validator=True to see DeepSpeed's own failure instead of helpers.config's ConfigError."""
+    "step 1 (backward)"), its message and the DeepSpeed source line (see `zeropp_trial`); on a CPU,
+    helpers.config's ConfigError."""
     from pathlib import Path
     results = {}
     for feature in features:
         args = ["--zeropp", *feature.split("+"), "--hpz", str(hpz_partition_size)]
-        args += ["--bypass-validator"] if bypass_validator else []
         ranks = _launch(n_ranks, args, Path(out_dir) / f"zeropp-{feature}", {"steps": 3, **options})
         results[feature] = ranks
     return results
@@ -277,8 +269,8 @@ def run_zeropp_gpu(steps: int = 5, out_dir=".", **options) -> list[dict]:
     gpus = gpu_count()
     if gpus == 0:
         raise RuntimeError("ZeRO++ needs a CUDA GPU (its quantizer has CUDA kernels only); this machine has "
-                           "none. On a CPU, see validator_refusal() and zeropp_trials(bypass_validator=True).")
+                           "none. On a CPU, see validator_refusal() and zeropp_trial's notes on what DeepSpeed does there.")
     trials = zeropp_trials(("weights+gradients+hpz",), n_ranks=gpus, hpz_partition_size=gpus,
-                           bypass_validator=False, out_dir=out_dir,
+                           out_dir=out_dir,
                            **{"steps": steps, "precision": "auto", **options})
     return trials["weights+gradients+hpz"]
