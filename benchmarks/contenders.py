@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from helpers.batches import ResumableBatches
-from helpers.trainer import AdvancedDeepSpeedTrainer, build_model, trainer_config
+from helpers.trainer import AdvancedDeepSpeedTrainer, trainer_config
 
+from helpers.model import build_model
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.01  # what helpers.config.build_config writes
 
 
@@ -27,7 +28,7 @@ class Setup:
     """What every contender shares."""
     device: str
     precision: str      # "fp32" or "bf16"
-    model_size: str     # a key of helpers.trainer.MODEL_SIZES
+    model_size: str     # a key of helpers.model.MODEL_SIZES
     micro_batch: int
     lr: float
     warmup: int         # warm-up steps of the LR schedule

@@ -35,7 +35,7 @@ import torch
 
 from helpers.data import SyntheticTextDataset
 from helpers.runtime import detect
-from helpers.trainer import MODEL_SIZES
+from helpers.model import MODEL_SIZES
 
 from .contenders import Setup, TokenData
 from .workers import Worker
@@ -156,7 +156,7 @@ def progress(r: int, rounds: int, blocks: dict) -> None:
 def flops_per_token(a, vocab_size: int) -> tuple[int, int]:
     """(FLOPs per trained token, N): 6N + 12 n_layer d seq_len, N without the position embeddings."""
     n_layer, d, _ = MODEL_SIZES[a.model_size]
-    n = n_layer * (12 * d * d + 13 * d) + vocab_size * d + 2 * d   # helpers.trainer.gpt2_param_count less n_pos d
+    n = n_layer * (12 * d * d + 13 * d) + vocab_size * d + 2 * d   # helpers.model.gpt2_param_count less n_pos d
     return 6 * n + 12 * n_layer * d * a.seq_len, n
 
 

@@ -103,7 +103,7 @@ def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpoint
     """The tutorial's GPT-2, set up as the paper counts: eager attention (SDPA's fused kernels never
     store the as^2b scores) and a fused GeLU (HF's gelu_new is Python and saves three extra 4sbh intermediates)."""
     import torch
-    from .trainer import build_model, enable_checkpointing
+    from .model import build_model, enable_checkpointing
     model = build_model(vocab, seq_len, model_size)   # dropout off
     model.set_attn_implementation("eager")
     for block in model.transformer.h:
@@ -191,7 +191,7 @@ def measure_step_memory(model_size: str = "tiny", seq_len: int = 256, micro_batc
 def predict(model_size: str, seq_len: int, micro_batch: int, checkpointing: bool, precision: str = "fp32",
             vocab: int = 512) -> dict:
     """`activation_bytes` for one of the tutorial's model sizes (no dropout: build_model turns it off)."""
-    from .trainer import MODEL_SIZES
+    from .model import MODEL_SIZES
     n_layer, hidden, heads = MODEL_SIZES[model_size]
     return activation_bytes(seq_len, micro_batch, hidden, heads, n_layer, vocab,
                             {"fp32": 4, "bf16": 2, "fp16": 2}[precision], checkpointing)

@@ -25,7 +25,7 @@ from .batches import ResumableBatches
 from .config import build_config, validate
 from .data import SyntheticTextDataset
 from .runtime import detect, init_single_process, quiet_deepspeed, seed_everything
-from .trainer import build_model
+from .model import build_model
 
 SCHEDULE_TYPES = ("fixed_linear", "fixed_root", "fixed_discrete")
 

@@ -40,7 +40,7 @@ def models() -> dict[str, dict]:
     """name -> {params, largest_layer_params, n_layer, hidden, heads, vocab, context}: the four GPT-2
     sizes (helpers.memory.gpt2_sizes; every one has 64-dim heads) and GPT-3's larger shapes. The largest
     layer, which ZeRO-3 gathers whole, is the (tied) token embedding, vocab x hidden, in all of them."""
-    from .trainer import gpt2_param_count   # imports torch and transformers: only when first needed
+    from .model import gpt2_param_count   # imports torch and transformers: only when first needed
     table = {f"GPT-2 {s['name']}": {"params": s["params"], "largest_layer_params": s["largest_layer_params"],
                                     "n_layer": s["n_layer"], "hidden": s["n_embd"], "heads": s["n_embd"] // 64,
                                     "vocab": VOCAB, "context": 1024}
@@ -160,7 +160,7 @@ def config_for(model: str = "GPT-2 1.5B", gpu: str = "T4", n_gpus_per_node: int 
 
     model, seq_len and checkpointing are checked but leave no trace in the config: DeepSpeed's
     "activation_checkpointing" block only configures deepspeed.checkpointing for models that call it
-    (Megatron-style); an HF model turns checkpointing on itself (helpers.trainer.enable_checkpointing).
+    (Megatron-style); an HF model turns checkpointing on itself (helpers.model.enable_checkpointing).
     """
     check(model, gpu, n_gpus_per_node, n_nodes, stage, offload, precision, micro_batch, grad_accum,
           checkpointing, seq_len)

@@ -91,7 +91,7 @@ def best_plan(*args, **kwargs) -> dict | None:
 def gpt2_examples() -> dict:
     """GPT-2 1.5B (48 layers, h = 1600, 25 heads, seq 1024) on one 16 GB T4 (fp16: no bf16 on
     Turing; same bytes) and one 80 GB A100 (bf16): the best plan, and whether plain stage 0 fits."""
-    from .trainer import gpt2_param_count
+    from .model import gpt2_param_count
     dims = dict(seq_len=1024, hidden=1600, n_layer=48, heads=25, vocab=50257)
     n_params = gpt2_param_count(50257, 1024, 48, 1600)
     out = {}

@@ -27,7 +27,7 @@ import torch
 from .batches import ResumableBatches
 from .data import SyntheticTextDataset
 from .runtime import init_single_process, quiet_deepspeed, seed_everything
-from .trainer import build_model
+from .model import build_model
 
 CPU_KIND = ("CPU: DeepSpeed's DynamicLossScaler and CheckOverflow driving a mixed-precision loop "
             "(fp16 model, fp32 master weights); real fp16 gradients, real overflows")

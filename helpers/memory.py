@@ -92,7 +92,7 @@ def deepspeed_estimate(n_params: int, n_ranks: int, stage: int, largest_layer_pa
 
 def gpt2_sizes(vocab_size: int = 50257, n_positions: int = 1024) -> list[dict]:
     """The four GPT-2 sizes: parameter count (tied embeddings) and the largest layer (the embedding)."""
-    from .trainer import gpt2_param_count
+    from .model import gpt2_param_count
     return [{"name": name, "n_layer": n_layer, "n_embd": d,
              "params": gpt2_param_count(vocab_size, n_positions, n_layer, d), "largest_layer_params": vocab_size * d}
             for name, (n_layer, d) in GPT2_CONFIGS.items()]

@@ -27,7 +27,8 @@ def available_precisions(runtime) -> list[str]:
 
 def model_states(data, precision: str, steps: int = 3, output_dir=".", **trainer_args) -> dict:
     """Train briefly at ZeRO 1 in `precision`; bytes held per component, tokens/s and losses."""
-    from .trainer import MODEL_SIZES, AdvancedDeepSpeedTrainer, gpt2_param_count
+    from .trainer import AdvancedDeepSpeedTrainer
+    from .model import MODEL_SIZES, gpt2_param_count
     size = trainer_args.pop("model_size", "tiny")
     n_layer, n_embd, _ = MODEL_SIZES[size]
     n_params = gpt2_param_count(data.vocab_size, data.seq_len, n_layer, n_embd)

@@ -6,7 +6,7 @@ per block but *runs* only k of them per token: parameters grow with E, compute p
 With expert parallelism (`ep_size` ranks) each rank stores only E / ep_size of the experts and tokens
 travel to the rank holding their expert by an all-to-all, there and back.
 
-`MoEGPT` is `helpers.trainer.build_model`'s GPT-2 with each `block.mlp` replaced by
+`MoEGPT` is `helpers.model.build_model`'s GPT-2 with each `block.mlp` replaced by
 `deepspeed.moe.layer.MoE(expert=that MLP)`; `dense_twin` is the same GPT-2 with MLPs k times wider,
 so both run the same number of parameters per token. `moe_param_counts` gives total / active /
 per-rank parameter counts from the shapes alone; `count_params` counts the modules themselves.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .trainer import MODEL_SIZES, build_model, gpt2_param_count
+from .model import MODEL_SIZES, build_model, gpt2_param_count
 
 GPT2_MLP_RATIO = 4   # GPT-2's MLP is h -> 4h -> h
 
@@ -75,7 +75,7 @@ def moe_param_counts(vocab_size: int, n_positions: int, n_layer: int, n_embd: in
 
 def moe_param_counts_for_size(vocab_size: int, n_positions: int, size: str, num_experts: int, k: int = 1,
                               ep_size: int = 1) -> dict[str, int]:
-    """`moe_param_counts` for one of helpers.trainer.MODEL_SIZES ("tiny", "small", ...)."""
+    """`moe_param_counts` for one of helpers.model.MODEL_SIZES ("tiny", "small", ...)."""
     n_layer, n_embd, _ = MODEL_SIZES[size]
     return moe_param_counts(vocab_size, n_positions, n_layer, n_embd, num_experts, k, ep_size)
 

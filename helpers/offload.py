@@ -62,7 +62,8 @@ def split_by_side(engine) -> dict:
 def run_config(name: str, zero_optimization: dict, data, steps: int = 6, **trainer_args) -> dict:
     """Train the tiny model briefly with this `zero_optimization` block (offload blocks as written: offload
     needs ZeRO >= 1, parameter offload ZeRO-3); where its bytes live, its step times and losses."""
-    from .trainer import AdvancedDeepSpeedTrainer, gpt2_param_count, MODEL_SIZES
+    from .trainer import AdvancedDeepSpeedTrainer
+    from .model import gpt2_param_count, MODEL_SIZES
     n_layer, n_embd, _ = MODEL_SIZES["tiny"]
     n_params = gpt2_param_count(data.vocab_size, data.seq_len, n_layer, n_embd)
     block = {**measurement_zero_extra(n_params), **zero_optimization}

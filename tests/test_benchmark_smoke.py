@@ -6,7 +6,7 @@ import json
 import pytest
 
 from benchmarks.trainer_vs_plain import contender_names, main, parse
-from helpers.trainer import build_model
+from helpers.model import build_model
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def test_deepspeed_config_parser_accepts_each_file(name):
 
 
 def tiny_gpt2(data):
-    from helpers.trainer import build_model
+    from helpers.model import build_model
     return build_model(data.vocab_size, SEQ_LEN, "tiny", data.tokenizer.pad_token_id)
 
 

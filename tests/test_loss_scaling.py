@@ -75,7 +75,7 @@ def test_overflows_are_real_fp16_overflows():
     """DeepSpeed's overflow check agrees with torch on real fp16 gradients: inf at 2**24, none at 1."""
     from deepspeed.runtime.utils import CheckOverflow
     from helpers.data import SyntheticTextDataset
-    from helpers.trainer import build_model
+    from helpers.model import build_model
     data = SyntheticTextDataset("markov", n_samples=4, seq_len=16)
     model = build_model(data.vocab_size, 16, "tiny").half()
     params, ids = list(model.parameters()), data[slice(0, 4)]["input_ids"]

@@ -8,7 +8,7 @@ import torch
 
 from helpers import moe
 from helpers.experiments import moe as experiment
-from helpers.trainer import MODEL_SIZES, build_model
+from helpers.model import MODEL_SIZES, build_model
 
 VOCAB, N_POS, SIZE = 130, 48, "tiny"
 N_LAYER, N_EMBD, _ = MODEL_SIZES[SIZE]

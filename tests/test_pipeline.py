@@ -8,7 +8,7 @@ from helpers.pipeline import (COMPUTE, UnsplitModel, bubble_fraction, gpt2_confi
                               layer_names, layer_param_formula, measured_bubble, micro_batch_ids,
                               replay_schedule, schedule_table, scheduled_bubble, stage_param_formula, train_schedule)
 from helpers.runtime import init_single_process
-from helpers.trainer import gpt2_param_count
+from helpers.model import gpt2_param_count
 
 CONFIG = gpt2_config(vocab_size=50, n_positions=16, n_layer=3, n_embd=32, n_head=4)
 

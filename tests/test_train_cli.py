@@ -64,7 +64,7 @@ def test_two_rank_zero3_checkpoint_exports_to_hf(torchrun_zero3, tmp_path):
     out, ranks = torchrun_zero3
     hf_dir = export.export_hf(out / "checkpoints", tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    model.loss_type = "ForCausalLM"   # as helpers.trainer.build_model does: GPT-2's class name maps to no loss
+    model.loss_type = "ForCausalLM"   # as helpers.model.build_model does: GPT-2's class name maps to no loss
     tokenizer = SyntheticTextDataset("markov", n_samples=64, seq_len=16, seed=0).tokenizer
     held_out = SyntheticTextDataset("markov", n_samples=16, seq_len=16, seed=1, tokenizer=tokenizer)   # train.py's
     with torch.no_grad():

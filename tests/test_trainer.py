@@ -6,9 +6,10 @@ from helpers.config import ConfigError
 from helpers.data import SyntheticTextDataset
 from helpers.metrics import read_tensorboard
 from helpers.runtime import detect
-from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError, build_model, generate, trainer_config
+from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError, trainer_config
 
 
+from helpers.model import build_model, generate
 @pytest.fixture(scope="module")
 def data():
     return SyntheticTextDataset("markov", n_samples=256, seq_len=32, seed=0)

@@ -19,7 +19,7 @@ from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
 from helpers.runtime import detect, init_single_process, quiet_deepspeed, seed_everything
-from helpers.trainer import MODEL_SIZES
+from helpers.model import MODEL_SIZES
 
 
 def parse(argv=None):

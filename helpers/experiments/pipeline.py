@@ -19,7 +19,7 @@ from helpers.launch import write_result
 from helpers.pipeline import (PARTITION_METHODS, InstructionTimer, UnsplitModel, bubble_fraction, build_pipeline,
                               gpt2_config, gpt2_layer_specs, layer_names, layer_param_formula, stage_param_formula,
                               stage_summary)
-from helpers.trainer import MODEL_SIZES
+from helpers.model import MODEL_SIZES
 
 STAGES = 2
 

@@ -1,0 +1,62 @@
+"""The model every notebook trains: GPT-2 built from a config (random weights, nothing downloaded), its sizes,
+its parameter count from the shapes alone, activation checkpointing and sampling."""
+from __future__ import annotations
+
+import torch
+
+# (layers, hidden size, attention heads). "gpt2" is the body of GPT-2 small (124M with its vocab).
+MODEL_SIZES = {"tiny": (2, 128, 4), "small": (4, 256, 4), "base": (6, 384, 6), "gpt2": (12, 768, 12)}
+
+
+def auto_model_size(runtime) -> str:
+    """Small enough to train in a minute here: tiny on a CPU, larger on bigger GPUs."""
+    if not runtime.is_gpu:
+        return "tiny"
+    return "small" if runtime.memory_gb < 24 else "base"
+
+
+def build_model(vocab_size: int, n_positions: int, size: str = "tiny", pad_token_id: int | None = None,
+                seed: int = 0):
+    """A randomly initialised GPT-2 from a config (nothing downloaded). Dropout is off: it keeps runs
+    bitwise repeatable, and the held-out loss (fresh samples) shows whether seeing a sample twice hurts."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"model_size={size!r} is not one of {sorted(MODEL_SIZES)} (or 'auto')")
+    from transformers import GPT2Config, GPT2LMHeadModel   # heavy: only when a model is built
+    n_layer, n_embd, n_head = MODEL_SIZES[size]
+    cfg = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
+                     n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=pad_token_id)
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"   # transformers warns when a model leaves it unset
+    return model
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing: keep each block's input, recompute the block in backward."""
+    model.config.use_cache = False   # a KV cache is useless in training and refused with checkpointing
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()   # transformers 5.x renamed it; non-reentrant torch.utils.checkpoint by default
+
+
+def gpt2_param_count(vocab_size: int, n_positions: int, n_layer: int, n_embd: int) -> int:
+    """Parameters of a GPT-2 with tied input/output embeddings, counted from its shapes.
+
+    Per block: attention qkv 3d^2+3d, attention out d^2+d, MLP 4d^2+4d and 4d^2+d, two LayerNorms 4d,
+    i.e. 12d^2 + 13d. Plus token (V d) and position (n_pos d) embeddings and the final LayerNorm (2d).
+    """
+    d = n_embd
+    return n_layer * (12 * d * d + 13 * d) + (vocab_size + n_positions) * d + 2 * d
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, seed: int = 0,
+             temperature: float = 1.0) -> str:
+    """Sample a continuation of `prompt` (temperature sampling, seeded)."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompt, return_tensors="pt")
+    torch.manual_seed(seed)
+    out = model.generate(enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+                         max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                         top_k=0, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
