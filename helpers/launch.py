@@ -20,7 +20,8 @@ from pathlib import Path
 
 import psutil
 
-from helpers.runtime import CPU_BF16_FLAGS, cpu_flags, cpu_matmul_speeds, free_port, process_rank
+from helpers.precision import CPU_BF16_FLAGS, cpu_flags, cpu_matmul_speeds
+from helpers.runtime import free_port, process_rank
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The notebook's own 1-rank group sets these. Both launchers overwrite them for their ranks today;

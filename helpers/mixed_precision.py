@@ -4,7 +4,7 @@ Mixed precision keeps an fp32 master copy of the weights for the optimizer but s
 parameters, gradients and activations in 16 bits: per parameter 2 + 2 + 12 bytes instead of fp32's
 4 + 4 + 12 (under ZeRO; helpers.memory.bytes_per_param), and half the activation bytes. Speed depends
 on the hardware: tensor cores make 16-bit matmuls several times faster on a GPU; a CPU without
-AVX512-BF16/AMX emulates bf16 and is far slower than fp32 (helpers.runtime.matmul_tflops measures it).
+AVX512-BF16/AMX emulates bf16 and is far slower than fp32 (helpers.precision.matmul_tflops measures it).
 """
 from __future__ import annotations
 

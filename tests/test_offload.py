@@ -5,7 +5,8 @@ import pytest
 from helpers import fit, offload
 from helpers.data import SyntheticTextDataset
 from helpers.mixed_precision import available_precisions
-from helpers.runtime import Runtime, loss_tolerance
+from helpers.precision import loss_tolerance
+from helpers.runtime import Runtime
 
 pytestmark = pytest.mark.precision   # follows the precision rule: run again with the other one forced
 

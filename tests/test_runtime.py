@@ -1,11 +1,11 @@
-"""Precision choice and the single-process distributed environment."""
+"""Precision choice (helpers.precision) and the single-process distributed environment (helpers.runtime)."""
 import os
 from pathlib import Path
 
 import pytest
 
-from helpers.runtime import (CPU_BF16_FLAGS, MEASURED_ENV, PRECISION_ENV, choose_precision, cpu_flags, detect,
-                             free_port)
+from helpers.precision import CPU_BF16_FLAGS, MEASURED_ENV, PRECISION_ENV, choose_precision, cpu_flags
+from helpers.runtime import detect, free_port
 
 pytestmark = pytest.mark.precision   # follows the precision rule: run again with the other one forced
 
@@ -124,7 +124,7 @@ def test_a_precision_this_cpu_cannot_run_is_refused_naming_the_variable(value):
 
 MEASURE_TWICE = """
 import json, os
-from helpers.runtime import MEASURED_ENV, cpu_matmul_speeds
+from helpers.precision import MEASURED_ENV, cpu_matmul_speeds
 first = cpu_matmul_speeds(); inherited = os.environ[MEASURED_ENV]; second = cpu_matmul_speeds()
 print(json.dumps({"first": first, "second": second, "inherited": inherited}))
 """
@@ -138,7 +138,7 @@ def test_the_cpu_measurement_is_taken_once_and_inherited_by_child_processes():
     got = json.loads(out.strip().splitlines()[-1])
     assert got["second"] == got["first"]   # read back, not measured again (two timings never agree exactly)
     assert min(got["first"].values()) > 0
-    child = run_fresh("import json; from helpers.runtime import cpu_matmul_speeds; "
+    child = run_fresh("import json; from helpers.precision import cpu_matmul_speeds; "
                       "print(json.dumps(cpu_matmul_speeds()))", **{MEASURED_ENV: got["inherited"]})
     assert child == got["first"]
 

@@ -1,0 +1,127 @@
+"""Which precision to train in: the rule (GPUs by compute capability, CPUs by measurement), the override,
+the CPU matmul measurement behind it, and how closely two runs in a precision can agree."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+# CPU instruction sets with native bf16 math. Without them PyTorch emulates bf16 matmuls (much slower
+# than fp32). With them bf16 can still be slower: avx512_bf16 alone measured 0.56x fp32 on an Intel Xeon,
+# AMX 3.5x faster on another. So a flag only says bf16 is worth measuring.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+PRECISION_ENV = "TUTORIAL_PRECISION"   # "fp32" / "bf16" (or "fp16" on a GPU): overrides the rule
+BF16_MARGIN = 1.5   # on a CPU, bf16 must run matmuls this many times faster than fp32 to be chosen
+# Children (torchrun ranks, notebook kernels) inherit the parent's CPU measurement, so every rank of a
+# job picks the same precision and none pays for the measurement again.
+MEASURED_ENV = "TUTORIAL_CPU_MATMUL_TFLOPS"
+
+
+def cpuinfo_field(name: str) -> str:
+    """The first value of `name` in Linux's /proc/cpuinfo ("" elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == name), "")
+    except OSError:
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    return set(cpuinfo_field("flags").split())
+
+
+def cpu_model_name() -> str:
+    return cpuinfo_field("model name")
+
+
+def choose_precision(capability: tuple | None, flags: set[str] = frozenset(),
+                     speeds: dict | None = None) -> tuple[str, str]:
+    """(precision, reason) for a CUDA capability, or for the CPU when capability is None.
+
+    On a CPU `speeds` is the measured matmul TFLOP/s per dtype ({"fp32": .., "bf16": ..}); it is only
+    consulted where the CPU has native bf16 instructions (elsewhere bf16 is emulated: never faster).
+    """
+    if capability is not None:
+        if capability >= (8, 0):
+            return "bf16", f"CUDA sm_{capability[0]}{capability[1]} (Ampere or newer) has bf16 tensor cores"
+        return "fp16", (f"CUDA sm_{capability[0]}{capability[1]} has no bf16 tensor cores: "
+                        "fp16 with dynamic loss scaling")
+    native = sorted(set(CPU_BF16_FLAGS) & set(flags))
+    if not native:
+        return "fp32", "CPU has no native bf16 instructions (avx512_bf16/amx_bf16), where bf16 is emulated and slower"
+    if not speeds:
+        raise ValueError("a CPU with native bf16 needs the measured matmul speeds to choose: pass speeds=")
+    ratio = speeds["bf16"] / speeds["fp32"]
+    measured = f"bf16 matmuls measured {ratio:.2f}x fp32 ({', '.join(native)})"
+    if ratio >= BF16_MARGIN:
+        return "bf16", f"{measured}: at least {BF16_MARGIN}x, so bf16"
+    return "fp32", f"{measured}: below {BF16_MARGIN}x, so fp32 (a bf16 flag is not a speed)"
+
+
+def forced_precision(device: str) -> str | None:
+    """The precision named by $TUTORIAL_PRECISION, checked against what this device can run."""
+    value = os.environ.get(PRECISION_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    allowed = ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
+    if value not in allowed:
+        raise ValueError(f"{PRECISION_ENV}={value!r} is not one of {allowed} (or 'auto') on this {device}: "
+                         f"unset it to let the rule choose")
+    return value
+
+
+def cpu_matmul_speeds() -> dict[str, float]:
+    """fp32 and bf16 matmul TFLOP/s on this CPU, measured once per process tree (see MEASURED_ENV).
+
+    The two are timed in alternation, best of three rounds each, so a neighbour's load hits both alike;
+    a 1.5x margin then separates AMX (3-4x) from avx512_bf16 alone (about 0.5x) with room to spare."""
+    cached = os.environ.get(MEASURED_ENV)
+    if cached:
+        return {k: float(v) for k, v in (item.split("=") for item in cached.split(","))}
+    best = {"fp32": 0.0, "bf16": 0.0}
+    for _ in range(3):
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            best[name] = max(best[name], matmul_tflops(dtype, "cpu", n=512, seconds=0.1))
+    os.environ[MEASURED_ENV] = ",".join(f"{k}={v!r}" for k, v in best.items())   # repr: read back exactly
+    return best
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def loss_tolerance(precision: str) -> float:
+    """How far apart two runs of the same math may end in loss when they only round differently (ZeRO
+    stages, offload, reordered reductions), for a loss of a few nats.
+
+    fp32: 1e-5 (measured: at most 2.4e-7 between ZeRO stages 0-3 over 12 steps). 16-bit: two units in the
+    last place of the training dtype at losses in [4, 8): bf16 keeps 8 significant bits, so its numbers
+    there are 2**-5 = 0.031 apart (tolerance 0.0625; ZeRO stages 0-3 measured 0.022 apart over 12 steps
+    in bf16); fp16's are 2**-8 apart (tolerance 0.0078)."""
+    if precision == "fp32":
+        return 1e-5
+    if precision not in DTYPES:
+        raise ValueError(f"precision={precision!r} is not one of {tuple(DTYPES)}")
+    return 2 * 4.0 * torch.finfo(DTYPES[precision]).eps
+
+
+def matmul_tflops(dtype: torch.dtype, device: str, n: int = 1024, seconds: float = 0.5) -> float:
+    """Measured dense matmul throughput (TFLOP/s) for one dtype: 2n^3 FLOPs per n x n product."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+
+    def run(reps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()   # GPU work is asynchronous: wait before reading the clock
+        return time.perf_counter() - start
+
+    run(1)   # warm-up: the first call pays for kernel selection
+    reps, elapsed = 1, 0.0
+    while elapsed < seconds:   # double the work until the timing is long enough to trust
+        reps *= 2
+        elapsed = run(reps)
+    return 2 * n**3 * reps / elapsed / 1e12
