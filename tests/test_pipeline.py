@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from helpers.experiments import pipeline as experiment
-from helpers.pipeline import (COMPUTE, UnsplitModel, bubble_fraction, gpt2_config, gpt2_layer_specs, handoff_delays,
-                              layer_names, layer_param_formula, measured_bubble, micro_batch_ids,
-                              replay_schedule, schedule_table, scheduled_bubble, stage_param_formula, train_schedule)
+from helpers.pipeline import UnsplitModel, gpt2_config, gpt2_layer_specs, layer_names, layer_param_formula, stage_param_formula
+from helpers.pipeline_schedule import (COMPUTE, bubble_fraction, handoff_delays, measured_bubble, micro_batch_ids,
+                                       replay_schedule, schedule_table, scheduled_bubble, train_schedule)
 from helpers.runtime import init_single_process
 from helpers.model import gpt2_param_count
 

@@ -16,9 +16,9 @@ import torch
 
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
-from helpers.pipeline import (PARTITION_METHODS, InstructionTimer, UnsplitModel, bubble_fraction, build_pipeline,
-                              gpt2_config, gpt2_layer_specs, layer_names, layer_param_formula, stage_param_formula,
-                              stage_summary)
+from helpers.pipeline import (PARTITION_METHODS, UnsplitModel, build_pipeline, gpt2_config, gpt2_layer_specs,
+                              layer_names, layer_param_formula, stage_param_formula, stage_summary)
+from helpers.pipeline_schedule import InstructionTimer, bubble_fraction
 from helpers.model import MODEL_SIZES
 
 STAGES = 2
@@ -239,8 +239,8 @@ def bubble_rows(results: dict, warmup: int = 1) -> list[dict]:
     """
     from statistics import median
 
-    from helpers.pipeline import (handoff_delays, measured_bubble, replay_schedule, scheduled_bubble,
-                                  work_per_micro_batch)
+    from helpers.pipeline_schedule import (handoff_delays, measured_bubble, replay_schedule, scheduled_bubble,
+                                           work_per_micro_batch)
     threads = results["ranks"][0]["torch_threads"]
     rows = []
     for m, stages in results["pipeline"].items():
