@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from helpers.batches import ResumableBatches
+from helpers.model import build_model
 from helpers.trainer import AdvancedDeepSpeedTrainer, trainer_config
 
-from helpers.model import build_model
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.01  # what helpers.config.build_config writes
 
 

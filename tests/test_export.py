@@ -9,10 +9,10 @@ import torch
 
 from helpers import export
 from helpers.data import SyntheticTextDataset
+from helpers.model import build_model
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
 
-from helpers.model import build_model
 @pytest.fixture(scope="module")
 def data():
     return SyntheticTextDataset("markov", n_samples=64, seq_len=16, seed=0)

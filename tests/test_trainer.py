@@ -6,10 +6,10 @@ from helpers.config import ConfigError
 from helpers.data import SyntheticTextDataset
 from helpers.metrics import read_tensorboard
 from helpers.runtime import detect
+from helpers.model import build_model, generate
 from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError, trainer_config
 
 
-from helpers.model import build_model, generate
 @pytest.fixture(scope="module")
 def data():
     return SyntheticTextDataset("markov", n_samples=256, seq_len=32, seed=0)

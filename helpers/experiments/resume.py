@@ -14,10 +14,10 @@ import torch
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
 from helpers.memory import measurement_zero_extra
+from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
 
-from helpers.model import MODEL_SIZES, gpt2_param_count
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
