@@ -79,7 +79,14 @@ def cpu_matmul_speeds() -> dict[str, float]:
     a 1.5x margin then separates AMX (3-4x) from avx512_bf16 alone (about 0.5x) with room to spare."""
     cached = os.environ.get(MEASURED_ENV)
     if cached:
-        return {k: float(v) for k, v in (item.split("=") for item in cached.split(","))}
+        try:
+            speeds = {k: float(v) for k, v in (item.split("=") for item in cached.split(","))}
+        except ValueError:
+            speeds = {}
+        if set(speeds) != {"fp32", "bf16"} or min(speeds.values()) <= 0:
+            raise ValueError(f"{MEASURED_ENV}={cached!r} is not 'fp32=<TFLOP/s>,bf16=<TFLOP/s>': this process "
+                             "sets it for the processes it starts; unset it to measure again")
+        return speeds
     best = {"fp32": 0.0, "bf16": 0.0}
     for _ in range(3):
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

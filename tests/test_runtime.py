@@ -153,3 +153,12 @@ def test_environment_sets_variables_for_a_block_and_restores_them():
         assert "TUTORIAL_TEST_UNSET" not in os.environ and os.environ["TUTORIAL_TEST_SET"] == "before"
     finally:
         os.environ.pop("TUTORIAL_TEST_SET", None)
+
+
+@pytest.mark.parametrize("value", ["fp32=0.3", "fp32=a,bf16=1", "nonsense"])
+def test_a_malformed_inherited_measurement_is_refused_naming_the_variable(value):
+    import subprocess, sys
+    code = "from helpers.precision import cpu_matmul_speeds; cpu_matmul_speeds()"
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, MEASURED_ENV: value}, capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode != 0 and f"{MEASURED_ENV}={value!r}" in run.stderr and "unset it" in run.stderr
