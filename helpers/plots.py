@@ -240,7 +240,8 @@ def pipeline_timeline(stage_events: list[list[dict]], save_dir=None, title: str 
 
 
 def loss_scale(history: list[dict], save_dir=None, title="Dynamic loss scaling"):
-    """Top: the loss scale each step used (log2), overflow steps marked. Bottom: skipped steps so far."""
+    """Top: the loss scale each step used (log2), overflow steps marked. Bottom: skipped steps so far.
+    history: per step {"step", "scale", "overflow"}."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.2), sharex=True)
     steps = [h["step"] for h in history]
     top.step(steps, [np.log2(h["scale"]) for h in history], where="post", label="scale")
@@ -249,7 +250,7 @@ def loss_scale(history: list[dict], save_dir=None, title="Dynamic loss scaling")
                 label="overflow (step skipped)")
     top.set(ylabel="log2(loss scale)", title=title)
     top.legend(fontsize=8)
-    bottom.step(steps, [h["skipped_steps"] for h in history], where="post", color="tab:red")
+    bottom.step(steps, np.cumsum([h["overflow"] for h in history]), where="post", color="tab:red")
     bottom.set(xlabel="step", ylabel="skipped steps")
     return finish(fig, save_dir, "loss_scale")
 
