@@ -202,21 +202,20 @@ if __name__ == "__main__":
 
 # ---- the notebook's side: run the script on N ranks and get every rank's result back ----
 
-def run(config: str | Path, n_ranks: int = 2, launcher: str = "torchrun", out_dir: str | Path | None = None,
-        timeout: float = 600, **options) -> list[dict]:
+def run_script(config: str | Path, n_ranks: int = 2, launcher: str = "torchrun", out_dir: str | Path | None = None,
+               timeout: float = 600, **options) -> list[dict]:
     """Run `helpers.train --config CONFIG` on n_ranks under torchrun or the deepspeed launcher;
     return each rank's result (history, eval loss, checkpoint and TensorBoard paths), ordered by rank.
 
     options become flags: steps=20 -> --steps=20. Everything (metrics.json, checkpoints/, tensorboard/,
     logs/) is written under out_dir, by default runs/train/<config name>-<launcher>-<n_ranks>ranks.
     """
-    from helpers.launch import REPO_ROOT, launch
+    from helpers.launch import REPO_ROOT, flags, launch
     from helpers.runtime import run_dir
     # "configs/zero2.json" means the repository's file wherever the notebook runs from
     path = next((p.resolve() for p in (Path(config), REPO_ROOT / config) if p.is_file()), None)
     if path is None:
         raise ConfigError(f"config file {config} not found (relative paths may start at the repository root)")
     out = Path(out_dir) if out_dir is not None else run_dir(f"train/{path.stem}-{launcher}-{n_ranks}ranks")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
-    return launch(__name__, n_ranks, ["--config", str(path), "--output-dir", str(out.resolve()), *flags],
+    return launch(__name__, n_ranks, ["--config", str(path), "--output-dir", str(out.resolve()), *flags(options)],
                   out_dir=out, timeout=timeout, launcher=launcher)
