@@ -76,3 +76,49 @@ def sent_bytes(logged: dict, n_ranks: int) -> dict[str, float]:
 def paper_sent_bytes(n_params: int, n_ranks: int, stage: int, bytes_per_element: int) -> float:
     """The paper's per-step volume for one rank: 2Ψ or 3Ψ elements, times the ring's (N-1)/N."""
     return PAPER_VOLUME_IN_PSI[stage] * n_params * bytes_per_element * (n_ranks - 1) / n_ranks
+
+
+# ---- tables from the rank programs' results (helpers/programs/zero_stages.py, comm_dtype.py) ----
+
+def stage_rows(default: dict[int, list], paper: dict[int, list], accum: int) -> list[dict]:
+    """Per ZeRO stage and algorithm (DeepSpeed's defaults, the paper's): bytes rank 0 sent in one
+    optimizer step, measured vs predicted. Each argument: {stage: [rank 0's result, rank 1's, ...]}."""
+    from helpers.memory import bytes_per_param
+    rows = []
+    for algorithm, results in (("deepspeed", default), ("paper", paper)):
+        for stage, ranks in results.items():
+            r = ranks[0]
+            unit = r["n_params"] * bytes_per_param(r["precision"], stage)[1] * (r["world_size"] - 1) / r["world_size"]
+            measured = sum(r["comm_sent_bytes"].values())
+            rows.append({"stage": stage, "algorithm": algorithm, "sent MB (logged x ring)": measured / 1e6,
+                         "predicted MB": predicted_units(stage, accum, algorithm) * unit / 1e6,
+                         "vs stage 0": None, "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
+    base = next(row["sent MB (logged x ring)"] for row in rows if row["stage"] == 0)
+    for row in rows:
+        row["vs stage 0"] = row["sent MB (logged x ring)"] / base
+    return rows
+
+
+def global_losses(ranks: list[dict]) -> list[float]:
+    """Per step, the loss of the whole global batch: the mean of the ranks' equal-sized micro-batch losses."""
+    return [sum(step) / len(step) for step in zip(*(r["losses"] for r in ranks))]
+
+
+def dtype_rows(results: dict[str, list]) -> list[dict]:
+    """Per communication dtype ({dtype: [rank results]}): what rank 0 sent in one step (gradients and
+    in all) against fp32, and the loss."""
+    if "fp32" not in results:
+        raise ValueError(f"results hold {sorted(results)}: include 'fp32', the reference the others are compared to")
+    reference = results["fp32"][0]
+    base_loss = global_losses(results["fp32"])
+    table = []
+    for dtype, ranks in results.items():
+        r, losses = ranks[0], global_losses(ranks)
+        total = sum(r["comm_sent_bytes"].values())
+        table.append({
+            "comm dtype": dtype, "gradient MB/step": r["gradient_sent_bytes"] / 1e6,
+            "gradient vs fp32": r["gradient_sent_bytes"] / reference["gradient_sent_bytes"],
+            "total MB/step": total / 1e6, "total vs fp32": total / sum(reference["comm_sent_bytes"].values()),
+            "final loss": losses[-1], "max |loss - fp32 loss|": max(abs(x - y) for x, y in zip(losses, base_loss)),
+            "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
+    return table

@@ -1,14 +1,19 @@
-"""Run an experiment module on N local ranks from a notebook and get each rank's result back as data.
+"""Show a rank program, run it on N local ranks, and get each rank's result back as data.
 
 A notebook process can be only one rank, so multi-rank experiments (ZeRO partitioning, pipeline,
-MoE) run as `python -m <module> --out OUT_DIR ...` under a launcher. Each rank calls `write_result`;
-`launch` waits, then returns the results ordered by rank, or raises `RankFailedError` carrying the
-failing rank's own log. Per-rank logs stay in OUT_DIR/logs; the launcher's own output is in
-OUT_DIR/logs/launcher.log.
+MoE) are the scripts in helpers/programs/, run as `python -m helpers.programs.<name> --out OUT_DIR ...`
+under a launcher. `show` prints a program (or the parts a section is about) before a notebook runs
+it; `run_program` turns keyword options into its flags (the one place that does), checks them with
+the program's own parser before any process starts, and launches it. Each rank calls
+`write_result`; `launch` waits, then returns the results ordered by rank, or raises
+`RankFailedError` carrying the failing rank's own log. Per-rank logs stay in OUT_DIR/logs; the
+launcher's own output is in OUT_DIR/logs/launcher.log.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -24,6 +29,7 @@ from helpers.precision import CPU_BF16_FLAGS, cpu_flags, cpu_matmul_speeds
 from helpers.runtime import free_port, process_rank
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = REPO_ROOT / "helpers" / "programs"
 # The notebook's own 1-rank group sets these. Both launchers overwrite them for their ranks today;
 # removing them makes sure no rank can ever join the notebook's group or reuse the port it holds.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -49,6 +55,67 @@ def write_result(out_dir, result: dict) -> Path:
 def read_results(out_dir, n_ranks: int) -> list[dict]:
     """Every rank's result, ordered by rank, each with its "rank" added."""
     return [{**json.loads((Path(out_dir) / f"rank{r}.json").read_text()), "rank": r} for r in range(n_ranks)]
+
+
+def show(program: str, *names: str) -> None:
+    """Print helpers/programs/<program>.py, or only its top-level functions/classes `names`, in file order."""
+    path = PROGRAMS / f"{program}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"no program {program!r}: choose from {sorted(p.stem for p in PROGRAMS.glob('[!_]*.py'))}")
+    source = path.read_text()
+    if names:
+        lines = source.splitlines()
+        defs = {n.name: n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        unknown = [n for n in names if n not in defs]
+        if unknown:
+            raise ValueError(f"{path.name} defines no {unknown}: it has {sorted(defs)}")
+        spans = sorted((min([d.lineno for d in defs[n].decorator_list] + [defs[n].lineno]), defs[n].end_lineno)
+                       for n in names)
+        source = "\n\n\n".join("\n".join(lines[start - 1:stop]) for start, stop in spans)
+    print(f"# helpers/programs/{path.name}" + (f": {', '.join(names)}" if names else ""))
+    print(source)
+
+
+def flags(options: dict) -> list[str]:
+    """Keyword options -> a program's flags: steps=8 -> --steps=8, micro_batches=(1, 2) -> --micro-batches 1 2,
+    skip_dense=True -> --skip-dense, False or None -> left out (the program's default)."""
+    args = []
+    for key, value in options.items():
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            args.append(flag)
+        elif isinstance(value, (list, tuple)):
+            args += [flag, *map(str, value)]
+        elif value is not False and value is not None:
+            args.append(f"{flag}={value}")
+    return args
+
+
+def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: float = 600,
+                launcher: str = "torchrun", **options) -> list[dict]:
+    """Run helpers/programs/<program>.py on n_ranks with `options` as its flags; each rank's result, by rank.
+
+    The options go through the program's own argument parser (and its `check_options(args, n_ranks)`,
+    where it has one) here first, so a typo or a value DeepSpeed would refuse mid-launch fails before
+    any process starts, naming the option.
+    """
+    module = f"helpers.programs.{program}"
+    _validate(module, n_ranks, launcher)
+    code = importlib.import_module(module)
+    args = flags(options)
+    try:
+        parsed = code.parse(["--out", str(out_dir), *args])
+    except SystemExit:   # argparse has printed what is wrong
+        raise ValueError(f"bad options {options} for {program} (see `python -m {module} --help`)") from None
+    if hasattr(code, "check_options"):
+        code.check_options(parsed, n_ranks)
+    return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher)
+
+
+def per_run(ranks: list[dict], runs: str, label: str) -> dict:
+    """{label of each run: [rank 0's record of it, rank 1's, ...]} from results in which every rank holds
+    the list `runs` of its records in the same order (e.g. runs="stages", label="stage")."""
+    return {run[label]: [{**r[runs][i], "rank": r["rank"]} for r in ranks] for i, run in enumerate(ranks[0][runs])}
 
 
 def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir: str | Path,

@@ -1,91 +1,23 @@
-"""Pipeline parallelism, the model side: GPT-2 as a flat list of DeepSpeed layer specs that a
-`PipelineModule` cuts into stages (one per rank), the parameters each stage holds, and the unsplit
-reference model. The schedule side (the bubble, DeepSpeed's 1F1B schedule, timing what an engine
-runs) is helpers.pipeline_schedule.
+"""Pipeline parallelism, the notebook's side: launch helpers/programs/pipeline.py (the 2-stage run and the
+unsplit reference), count each stage's parameters from the shapes, and compare the two runs. The schedule
+side (the bubble, DeepSpeed's 1F1B schedule, timing what an engine runs) is helpers.pipeline_schedule.
 """
 from __future__ import annotations
 
-import contextlib
-import io
+import os
 from itertools import pairwise
+from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import GPT2Config
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-PARTITION_METHODS = ("parameters", "uniform", "type:GPT2Block")
-TIED_KEY = "token_embedding"   # the input embedding and the LM head share one weight, as in GPT-2
+from helpers.launch import gpu_count, per_run, run_program
+from helpers.runtime import environment
 
-
-# ---- the model as layer specs ----
-
-def gpt2_config(vocab_size: int, n_positions: int, n_layer: int, n_embd: int, n_head: int) -> GPT2Config:
-    """A GPT-2 config with dropout off (runs repeat bitwise) and torch's SDPA attention, which is causal
-    without a mask. A standalone GPT2Block has no model around it to choose the attention for it."""
-    return GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_layer=n_layer, n_embd=n_embd,
-                      n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                      bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+STAGES = 2   # helpers/programs/pipeline.py cuts the model in two
 
 
-class TokenEmbedding(nn.Embedding):
-    """Token ids -> vectors; also the LM head's weight (see `lm_head`). Initialised like GPT-2
-    (normal, std 0.02): nn.Embedding's N(0, 1) would make the tied head's first logits huge."""
-
-    def __init__(self, vocab_size: int, n_embd: int, std: float = 0.02):
-        super().__init__(vocab_size, n_embd)
-        nn.init.normal_(self.weight, std=std)
-
-
-class PositionEmbedding(nn.Module):
-    """Adds GPT-2's learned position embedding to the token vectors."""
-
-    def __init__(self, n_positions: int, n_embd: int, std: float = 0.02):
-        super().__init__()
-        self.wpe = nn.Embedding(n_positions, n_embd)
-        nn.init.normal_(self.wpe.weight, std=std)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(hidden.shape[1], device=hidden.device)
-        return hidden + self.wpe(positions)
-
-
-def lm_head(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits from the token embedding's own weight (GPT-2's tied output layer)."""
-    return nn.functional.linear(hidden, embedding.weight)
-
-
-def gpt2_layer_specs(config: GPT2Config) -> list:
-    """GPT-2 as the flat list of layers a PipelineModule partitions: token embedding, position
-    embedding, n_layer transformer blocks, final LayerNorm, LM head.
-
-    Nothing is built here: a LayerSpec is built only on the stage that owns it. The LM head is a
-    TiedLayerSpec of the token embedding: the stage holding the head keeps its own copy of the
-    embedding weight, DeepSpeed makes the copies equal at start and all-reduces their gradients
-    each step (the ReduceTiedGrads instruction), so the model is exactly GPT-2 with tied weights.
-    """
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    d = config.n_embd
-    return [TiedLayerSpec(TIED_KEY, TokenEmbedding, config.vocab_size, d, tied_weight_attr="weight"),
-            LayerSpec(PositionEmbedding, config.n_positions, d),
-            *[LayerSpec(GPT2Block, config, layer_idx=i) for i in range(config.n_layer)],
-            LayerSpec(nn.LayerNorm, d, eps=config.layer_norm_epsilon),
-            TiedLayerSpec(TIED_KEY, TokenEmbedding, config.vocab_size, d, forward_fn=lm_head,
-                          tied_weight_attr="weight")]
-
-
-def layer_names(specs: list) -> list[str]:
-    """A readable name per layer spec, e.g. 'GPT2Block' or 'lm_head (tied to TokenEmbedding)'."""
-    names = []
-    for spec in specs:
-        forward_fn = getattr(spec, "forward_fn", None)
-        names.append(f"{forward_fn.__name__} (tied to {spec.typename.__name__})" if forward_fn
-                     else spec.typename.__name__)
-    return names
-
-
-def layer_param_formula(config: GPT2Config) -> list[int]:
-    """Parameters of each layer of `gpt2_layer_specs`, from the shapes alone (nothing built).
+def layer_param_formula(config) -> list[int]:
+    """Parameters of each layer of the program's `gpt2_layer_specs`, from a GPT2Config's shapes alone.
 
     Token embedding V d, position embedding n_pos d, block 12 d^2 + 13 d (qkv 3d^2+3d, attention out
     d^2+d, MLP 4d^2+4d and 4d^2+d, two LayerNorms 4d), final LayerNorm 2d, LM head V d (the copy of
@@ -110,54 +42,67 @@ def stage_param_formula(specs: list, parts: list[int], per_layer: list[int]) -> 
     return counts
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: the logits at position t predict the token at t+1."""
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+def run(micro_batches=(1, 2, 4, 8), out_dir=".", unsplit: bool = True, timeout: float = 600, **options) -> dict:
+    """Train the 2-stage pipeline for each m (one launch) and, if unsplit, the whole model on one rank.
 
-
-def build_pipeline(specs: list, num_stages: int, partition_method: str = "parameters", seed: int = 0):
-    """A PipelineModule over `specs`: this rank builds only its stage's layers.
-
-    seed_layers=True seeds layer i with seed + i before building it, so every layer starts with the
-    same weights whatever the number of stages: the unsplit model (num_stages=1) is the same model.
-    partition_method: "parameters" balances parameter counts, "uniform" layer counts,
-    "type:GPT2Block" the number of blocks.
-    Needs a process group (a launcher, or helpers.runtime.init_single_process for one stage).
+    options: the program's flags, e.g. steps=8, micro_batch=4, grad_clip=1.0, zero_stage=1.
+    Returns {"pipeline": {m: [stage 0 result, stage 1 result]}, "unsplit": {m: result} or None,
+    "ranks": each pipeline rank's whole result, "unsplit_rank": the unsplit rank's}.
     """
-    from deepspeed.pipe import PipelineModule
-    if partition_method not in PARTITION_METHODS:
-        raise ValueError(f"partition_method={partition_method!r} is not one of {PARTITION_METHODS}")
-    with contextlib.redirect_stdout(io.StringIO()):   # DeepSpeed prints the seeds and the partition
-        return PipelineModule(layers=specs, num_stages=num_stages, loss_fn=lm_loss, seed_layers=True,
-                              seed_fn=seed_layer, base_seed=seed, partition_method=partition_method)
+    options["micro_batches"] = tuple(micro_batches)
+    ranks = run_program("pipeline", STAGES, out_dir=Path(out_dir) / "pipeline", timeout=timeout, **options)
+    results = {"pipeline": per_run(ranks, "runs", "m"), "ranks": ranks, "unsplit": None}
+    if unsplit:
+        with _same_device_as_pipeline():
+            [whole] = run_program("pipeline", 1, out_dir=Path(out_dir) / "unsplit", timeout=timeout,
+                                  unsplit=True, **options)
+        if whole["data_sha1"] != ranks[0]["data_sha1"]:
+            raise RuntimeError("the unsplit run read different token ids than the pipeline: compare the seeds")
+        results["unsplit"] = {m: whole["runs"][i] for i, m in enumerate(micro_batches)}
+        results["unsplit_rank"] = whole
+    return results
 
 
-def seed_layer(seed) -> None:
-    """DeepSpeed's own layer seeding, given a Python int. partition_balanced returns numpy integers as
-    stage boundaries, so DeepSpeed's default seeds with numpy.int64, which random.seed refuses from
-    Python 3.11 on (TypeError in PipelineModule._build)."""
-    from deepspeed.runtime.utils import set_random_seed
-    set_random_seed(int(seed))
+def _same_device_as_pipeline():
+    """Two ranks need two GPUs, else the launch runs them on the CPU with one thread share each. Run the
+    one-rank reference the same way, so device or thread count cannot explain a loss difference."""
+    if gpu_count() >= STAGES:
+        return environment()
+    threads = str(max(1, (os.cpu_count() or 1) // STAGES))
+    return environment(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
+                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
 
 
-class UnsplitModel(nn.Module):
-    """The same layers, same seed, in one process: a one-stage PipelineModule plus the loss.
-
-    Being a plain nn.Module (not a PipelineModule), a regular DeepSpeedEngine trains it with the
-    usual forward/backward/step loop: no schedule, no point-to-point sends, no tied-weight all-reduce.
-    """
-
-    def __init__(self, specs: list, seed: int = 0):
-        super().__init__()
-        self.layers = build_pipeline(specs, num_stages=1, seed=seed)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return lm_loss(self.layers(input_ids), labels)
+def partition_rows(results: dict) -> list[dict]:
+    """Per stage (from the first m): its layers, parameters measured and from the shapes."""
+    stages = results["pipeline"][next(iter(results["pipeline"]))]
+    return [{"stage": r["stage"], "layers": f"{r['layers'][0]}..{r['layers'][1] - 1}",
+             "layer names": ", ".join(r["layer_names"]), "params measured": r["n_params"],
+             "params formula": r["params_formula"], "of which tied copy": r["tied_params"]} for r in stages]
 
 
-def stage_summary(module) -> dict:
-    """What this rank's stage of a PipelineModule holds: its layer range, parameters, and the tied ones."""
-    parts = [int(i) for i in module.partitions()]   # DeepSpeed returns numpy integers
-    tied = sum(p.numel() for m in module.tied_modules.values() for p in m.parameters())
-    return {"stage": module.stage_id, "parts": parts, "layers": parts[module.stage_id:module.stage_id + 2],
-            "n_params": sum(p.numel() for p in module.parameters()), "tied_params": tied}
+def parity_rows(results: dict) -> list[dict]:
+    """Per m: the losses of the pipeline and of the unsplit model, and how far apart losses and final
+    weights are. "tied copies" compares the embedding weight held by stage 0 with stage 1's copy."""
+    rows = []
+    for m, stages in results["pipeline"].items():
+        whole = results["unsplit"][m]
+        piped = stages[0]["losses"]
+        rows.append({"m": m, "first loss": piped[0], "last loss pipeline": piped[-1],
+                     "last loss unsplit": whole["losses"][-1],
+                     "max |loss difference|": max(abs(p - w) for p, w in zip(piped, whole["losses"])),
+                     **weight_differences([s["state_file"] for s in stages], whole["state_file"]),
+                     "params pipeline (sum of stages)": sum(s["n_params"] for s in stages),
+                     "params unsplit": whole["n_params"]})
+    return rows
+
+
+def weight_differences(stage_files: list[str], unsplit_file: str) -> dict:
+    """Largest |difference| between every stage's trained weights and the unsplit model's, and between
+    the copies of a tied weight held by different stages."""
+    whole = torch.load(unsplit_file)
+    stages = [torch.load(f) for f in stage_files]
+    vs_unsplit = max((t - whole[k]).abs().max().item() for stage in stages for k, t in stage.items())
+    shared = set(stages[0]).intersection(*stages[1:])
+    tied = max(((stages[0][k] - s[k]).abs().max().item() for k in shared for s in stages[1:]), default=0.0)
+    return {"max |weight difference|": vs_unsplit, "tied copies max |difference|": tied}

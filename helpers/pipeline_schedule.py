@@ -1,6 +1,7 @@
 """Pipeline parallelism, the schedule side: the bubble formula, DeepSpeed's own 1F1B training schedule as a
 table, a timer for the instructions a pipeline engine really runs, and a replay of the schedule that says
-where a measured step's idle time went. (The model side is helpers.pipeline.)
+where a measured step's idle time went. (The model is helpers/programs/pipeline.py; launching it and
+comparing with the unsplit run is helpers.pipeline.)
 
 A `PipelineModule` cuts a list of layers into stages, one per rank. Each batch is split into m
 micro-batches that flow through the stages; while the pipeline fills and drains some stages wait.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import time
 from itertools import islice
+from statistics import median
 
 # Instruction types of deepspeed.runtime.pipe.schedule, grouped by what the stage is doing.
 COMPUTE = ("ForwardPass", "BackwardPass")
@@ -238,3 +240,41 @@ def work_per_micro_batch(stage_events: list[list[dict]], threads: int) -> tuple[
         return event["cpu_s"] if threads == 1 else event["end"] - event["start"]
     return tuple([[seconds(e) for e in events if e["name"] == name] for events in stage_events]
                  for name in COMPUTE)
+
+
+def bubble_rows(results: dict, warmup: int = 1) -> list[dict]:
+    """Per m and stage of `helpers.pipeline.run`'s results: the bubble formula, DeepSpeed's schedule, this
+    run replayed, and the measured idle share.
+
+    The replays run DeepSpeed's schedule on paper with the work each stage really did in this run, as
+    if each stage had a processor of its own: "idle replayed" with instant hand-offs between stages
+    (it differs from the formula only where the stages' work differs), "+ hand-offs" with this run's
+    median hand-off time. "idle measured" is the wall clock. Each is the median over the steps after
+    `warmup`, so one preempted step does not move it.
+    """
+    threads = results["ranks"][0]["torch_threads"]
+    rows = []
+    for m, stages in results["pipeline"].items():
+        stages = sorted(stages, key=lambda r: r["stage"])
+        steps = [[s["events"][i] for s in stages] for i in range(warmup, len(stages[0]["events"]))]
+        measured = [measured_bubble(step) for step in steps]
+        handoff = [median(handoff_delays(step) or [0.0]) for step in steps]
+        work = [work_per_micro_batch(step, threads) for step in steps]
+        replayed = [measured_bubble(replay_schedule(*w)) for w in work]
+        with_handoffs = [measured_bubble(replay_schedule(*w, handoff_s=h)) for w, h in zip(work, handoff)]
+        for stage, scheduled in enumerate(scheduled_bubble(len(stages), m)):
+            mine = [step[stage] for step in measured]
+            rows.append({
+                "m": m, "stage": stage, "bubble formula": bubble_fraction(len(stages), m),
+                "schedule idle slots": scheduled,
+                "idle replayed": median(step[stage]["idle_fraction"] for step in replayed),
+                "idle replayed + hand-offs": median(step[stage]["idle_fraction"] for step in with_handoffs),
+                "idle measured": median(r["idle_fraction"] for r in mine),
+                "hand-off ms": 1e3 * median(handoff),
+                "p2p wait share": median(r["p2p_s"] / r["span_s"] for r in mine),
+                "cpu share": median(r["compute_cpu_share"] for r in mine),
+                "forward ms": 1e3 * median(r["forward_s"] for r in mine),
+                "backward ms": 1e3 * median(r["backward_s"] for r in mine),
+                "span ms": 1e3 * median(r["span_s"] for r in mine),
+                "train_batch ms": 1e3 * median(stages[stage]["step_s"][warmup:])})
+    return rows

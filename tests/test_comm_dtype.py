@@ -4,15 +4,17 @@ import math
 import pytest
 import torch
 
-from helpers.config import ConfigError, validate
-from helpers.experiments import comm_dtype
-from helpers.launch import gpu_count
+from helpers.comms import dtype_rows
+from helpers.config import ConfigError, build_config, validate
+from helpers.launch import per_run, run_program
+from helpers.programs import comm_dtype
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     """One real 2-rank launch at ZeRO-2: fp32 then bf16 gradient communication, same model, data and seed."""
-    return comm_dtype.run(2, ("fp32", "bf16"), stage=2, out_dir=tmp_path_factory.mktemp("comm"), steps=3)
+    ranks = run_program("comm_dtype", 2, out_dir=tmp_path_factory.mktemp("comm"), dtypes=("fp32", "bf16"), stage=2, steps=3)
+    return per_run(ranks, "runs", "dtype")
 
 
 def test_bf16_sends_half_the_gradient_bytes_of_fp32(two_rank_runs):
@@ -30,14 +32,14 @@ def test_parameter_all_gather_is_not_compressed(two_rank_runs):
     """communication_data_type is a gradient setting: ZeRO's all-gather of updated fp32 weights is unchanged."""
     fp32, bf16 = two_rank_runs["fp32"][0], two_rank_runs["bf16"][0]
     assert bf16["comm_logged"]["all_gather_into_tensor"] == fp32["comm_logged"]["all_gather_into_tensor"]
-    table = {row["comm dtype"]: row for row in comm_dtype.rows(two_rank_runs)}
+    table = {row["comm dtype"]: row for row in dtype_rows(two_rank_runs)}
     assert table["bf16"]["gradient vs fp32"] == 0.5
     # ZeRO-2 sends 2 units of gradients (all-reduce) + 1 of weights: bf16 makes it 1 + 1, i.e. 2/3.
     assert table["bf16"]["total vs fp32"] == pytest.approx(2 / 3, rel=1e-4)
 
 
 def test_bf16_communication_keeps_the_loss_close(two_rank_runs):
-    table = {row["comm dtype"]: row for row in comm_dtype.rows(two_rank_runs)}
+    table = {row["comm dtype"]: row for row in dtype_rows(two_rank_runs)}
     assert table["fp32"]["max |loss - fp32 loss|"] == 0.0
     assert math.isfinite(table["bf16"]["final loss"])
     assert table["bf16"]["max |loss - fp32 loss|"] < 1e-3
@@ -50,23 +52,26 @@ def test_scalar_reductions_are_not_counted_as_gradients():
 
 def test_rows_need_the_fp32_reference():
     with pytest.raises(ValueError, match="include 'fp32'"):
-        comm_dtype.rows({"bf16": []})
+        dtype_rows({"bf16": []})
 
 
-def test_zeropp_config_is_a_stage_3_block_accepted_on_cuda():
-    config = comm_dtype.zeropp_config(hpz_partition_size=8)
-    assert config["zero_optimization"] == {"stage": 3, "zero_quantized_weights": True,
-                                           "zero_quantized_gradients": True, "zero_hpz_partition_size": 8}
+def zeropp_config(**features) -> dict:
+    return build_config(zero_stage=3, zero_extra=features)
+
+
+def test_zeropp_block_is_accepted_for_cuda():
+    config = zeropp_config(zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=8)
     assert validate(config, device="cuda") is config
-    assert comm_dtype.validator_refusal(config, device="cuda") is None
 
 
 def test_zeropp_is_refused_on_a_cpu_by_the_validator():
-    message = comm_dtype.validator_refusal(comm_dtype.zeropp_config(features=("weights",)))
+    with pytest.raises(ConfigError) as err:
+        validate(zeropp_config(zero_quantized_weights=True), device="cpu")
+    message = str(err.value)
     assert "zero_optimization.zero_quantized_weights" in message
     assert "CUDA GPU" in message and "communication_data_type" in message
     with pytest.raises(ConfigError):
-        validate(comm_dtype.zeropp_config(features=("gradients",)), device="cpu")
+        validate(zeropp_config(zero_quantized_gradients=True), device="cpu")
 
 
 def test_unknown_zeropp_feature_is_named():
@@ -87,16 +92,11 @@ def test_deepspeed_has_no_cpu_quantizer_kernel():
     assert "QuantizerBuilder().load()" in failure["where"]
 
 
-def test_zeropp_gpu_run_is_refused_without_a_gpu(tmp_path):
-    if gpu_count():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        comm_dtype.run_zeropp_gpu(out_dir=tmp_path)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="ZeRO++ needs a CUDA GPU")
 def test_zeropp_trains_on_gpu(tmp_path):
-    ranks = comm_dtype.run_zeropp_gpu(steps=3, out_dir=tmp_path)
+    gpus = torch.cuda.device_count()
+    ranks = run_program("comm_dtype", gpus, out_dir=tmp_path, zeropp=("weights", "gradients", "hpz"), hpz=gpus,
+                        steps=3, precision="auto")
     for r in ranks:
         assert r["ran"], r["error"]
         assert r["engine_read"]["zero_quantized_weights"] and r["engine_read"]["zero_quantized_gradients"]

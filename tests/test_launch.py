@@ -73,7 +73,7 @@ def test_rank_that_writes_no_result_is_named(tmp_path):
 
 @pytest.mark.parametrize("kwargs, problem", [
     ({"module": ECHO, "n_ranks": 0}, "n_ranks=0"),
-    ({"module": "helpers.experiments.no_such_experiment", "n_ranks": 2}, "no_such_experiment"),
+    ({"module": "helpers.programs.no_such_program", "n_ranks": 2}, "no_such_program"),
     ({"module": "no_such_package.experiment", "n_ranks": 2}, "no_such_package"),
     ({"module": ECHO, "n_ranks": 2, "launcher": "mpirun"}, "mpirun"),
 ])

@@ -1,4 +1,4 @@
-"""helpers.moe and the expert-parallel experiment: parameter counts from shapes vs the modules DeepSpeed
+"""helpers.moe and the expert-parallel program (helpers/programs/moe.py): parameter counts from shapes vs the modules DeepSpeed
 builds, capacity and dropped tokens vs DeepSpeed's own gate, bad input, and one real 2-rank run."""
 import math
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import moe
-from helpers.experiments import moe as experiment
+from helpers.launch import run_program
+from helpers.programs.moe import MoEGPT, dense_twin
 from helpers.model import MODEL_SIZES, build_model
 
 VOCAB, N_POS, SIZE = 130, 48, "tiny"
@@ -19,7 +20,7 @@ N_LAYER, N_EMBD, _ = MODEL_SIZES[SIZE]
 def test_param_counts_match_the_modules(num_experts, ep_size, k):
     formula = moe.moe_param_counts(VOCAB, N_POS, N_LAYER, N_EMBD, num_experts, k, ep_size)
     # One process builds what one expert-parallel rank holds: num_experts / ep_size experts per layer.
-    model = moe.MoEGPT(VOCAB, N_POS, SIZE, num_experts=num_experts, k=k, ep_size=ep_size)
+    model = MoEGPT(VOCAB, N_POS, SIZE, num_experts=num_experts, k=k, ep_size=ep_size)
     held = moe.count_params(model, k)
     assert held["local_experts"] == [num_experts // ep_size] * N_LAYER
     assert held["total"] == formula["per_rank"]
@@ -43,7 +44,7 @@ def test_total_and_active_by_hand():
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_dense_twin_runs_the_active_parameters(k):
-    twin = moe.dense_twin(VOCAB, N_POS, SIZE, k)
+    twin = dense_twin(VOCAB, N_POS, SIZE, k)
     counts = moe.moe_param_counts(VOCAB, N_POS, N_LAYER, N_EMBD, num_experts=4, k=k)
     assert sum(p.numel() for p in twin.parameters()) == counts["dense_twin"]
     # What the MoE runs per token beyond the twin: the gates, and the extra experts' output biases.
@@ -54,7 +55,7 @@ def test_dense_twin_runs_the_active_parameters(k):
 @pytest.mark.parametrize("k", [1, 2])
 def test_forward_in_one_process(k):
     torch.manual_seed(0)
-    model = moe.MoEGPT(VOCAB, N_POS, SIZE, num_experts=4, k=k, aux_loss_coef=0.1)
+    model = MoEGPT(VOCAB, N_POS, SIZE, num_experts=4, k=k, aux_loss_coef=0.1)
     ids = torch.randint(2, VOCAB, (4, N_POS))
     out = model(ids, labels=ids)
     assert out.logits.shape == (4, N_POS, VOCAB)
@@ -93,16 +94,16 @@ def test_bad_moe_shapes_are_named(kwargs, message):
 
 def test_bad_model_and_launch_fail_before_anything_starts(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="not divisible by ep_size=2"):
-        moe.MoEGPT(VOCAB, N_POS, SIZE, num_experts=3, ep_size=2)
+        MoEGPT(VOCAB, N_POS, SIZE, num_experts=3, ep_size=2)
     monkeypatch.setattr("helpers.launch.launch", lambda *a, **k: pytest.fail("launched despite bad input"))
     with pytest.raises(ValueError, match="not divisible by ep_size=2"):
-        experiment.run(2, out_dir=tmp_path, num_experts=5)
+        run_program("moe", 2, out_dir=tmp_path, num_experts=5)
     with pytest.raises(ValueError, match="world size 3 is not a multiple"):
-        experiment.run(3, out_dir=tmp_path)
+        run_program("moe", 3, out_dir=tmp_path)
     with pytest.raises(ValueError, match="zero_stage=3: DeepSpeed's MoE layers run with ZeRO stage 0, 1 or 2"):
-        experiment.run(2, out_dir=tmp_path, zero_stage=3)
-    with pytest.raises(ValueError, match="bad experiment options"):
-        experiment.run(2, out_dir=tmp_path, no_such_option=1)
+        run_program("moe", 2, out_dir=tmp_path, zero_stage=3)
+    with pytest.raises(ValueError, match="bad options {'no_such_option': 1} for moe"):
+        run_program("moe", 2, out_dir=tmp_path, no_such_option=1)
 
 
 # ---- one real launch: 2 ranks, 4 experts, ep_size=2, top-2, then the dense twin ----
@@ -112,8 +113,8 @@ E, EP, K, STEPS = 4, 2, 2, 6
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return experiment.run(2, out_dir=tmp_path_factory.mktemp("moe"), timeout=300, num_experts=E, ep_size=EP,
-                          k=K, steps=STEPS, micro_batch=4, seq_len=32)
+    return run_program("moe", 2, out_dir=tmp_path_factory.mktemp("moe"), timeout=300, num_experts=E, ep_size=EP,
+                       k=K, steps=STEPS, micro_batch=4, seq_len=32)
 
 
 def test_each_rank_holds_its_share_of_the_experts(results):
@@ -146,8 +147,8 @@ def test_routes_per_step_are_tokens_times_k(results):
         counts = np.array([step["exp_counts"] for step in r["moe"]["history"]])
         assert counts.shape == (STEPS, N_LAYER, E)
         assert (counts.sum(axis=2) == tokens * K).all()
-    assert np.allclose(experiment.load_fractions(results).sum(axis=1), 1.0)
-    assert ((0 <= experiment.dropped_fraction(results)) & (experiment.dropped_fraction(results) <= 1)).all()
+    assert np.allclose(moe.load_fractions(results).sum(axis=1), 1.0)
+    assert ((0 <= moe.dropped_fraction(results)) & (moe.dropped_fraction(results) <= 1)).all()
 
 
 def test_losses(results):
@@ -158,19 +159,19 @@ def test_losses(results):
         assert np.isfinite(aux).all() and (aux > 0).all()
         assert np.allclose(aux, [sum(s["aux_per_layer"]) for s in steps], rtol=1e-5)
         assert np.allclose([s["loss"] for s in steps], [s["lm_loss"] + coef * s["aux_loss"] for s in steps], rtol=1e-5)
-    c = experiment.curves(results)
+    c = moe.curves(results)
     assert c["lm_loss"][-2:].mean() < c["lm_loss"][:2].mean() - 0.3
     assert c["dense_loss"][-2:].mean() < c["dense_loss"][:2].mean() - 0.3
 
 
 def test_all_to_all_volume_matches_the_capacity_formula(results):
-    sent = experiment.all_to_all_bytes(results)
+    sent = moe.all_to_all_bytes(results)
     assert sent["logged"] == sent["predicted"] > 0
 
 
 def test_throughput_and_tables_are_reported(results):
-    rates = experiment.throughput(results)   # reported, never asserted: timings are noisy
+    rates = moe.throughput(results)   # reported, never asserted: timings are noisy
     assert rates["moe_tokens_per_s"] > 0 and rates["dense_tokens_per_s"] > 0
-    rows = experiment.param_rows(results)
+    rows = moe.param_rows(results)
     assert [row["stored"] for row in rows] == [row["stored (formula)"] for row in rows]
     assert rows[0]["dense twin"] == results[0]["moe"]["formula"]["dense_twin"]

@@ -1,12 +1,13 @@
-"""helpers.pipeline and helpers.experiments.pipeline: the bubble formula against DeepSpeed's own schedule,
+"""helpers.pipeline, helpers.pipeline_schedule and helpers/programs/pipeline.py: the bubble formula against DeepSpeed's own schedule,
 parameter counts against GPT-2's, and one real 2-stage run against the same model trained unsplit."""
 import pytest
 import torch
 
-from helpers.experiments import pipeline as experiment
-from helpers.pipeline import UnsplitModel, gpt2_config, gpt2_layer_specs, layer_names, layer_param_formula, stage_param_formula
-from helpers.pipeline_schedule import (COMPUTE, bubble_fraction, handoff_delays, measured_bubble, micro_batch_ids,
-                                       replay_schedule, schedule_table, scheduled_bubble, train_schedule)
+from helpers import pipeline
+from helpers.pipeline import layer_param_formula, stage_param_formula
+from helpers.pipeline_schedule import (COMPUTE, bubble_fraction, bubble_rows, handoff_delays, measured_bubble,
+                                       micro_batch_ids, replay_schedule, schedule_table, scheduled_bubble, train_schedule)
+from helpers.programs.pipeline import UnsplitModel, build_pipeline, gpt2_config, gpt2_layer_specs, layer_names
 from helpers.runtime import init_single_process
 from helpers.model import gpt2_param_count
 
@@ -167,7 +168,6 @@ def test_same_seed_same_weights_different_seed_different_weights():
 
 
 def test_unknown_partition_method_is_named():
-    from helpers.pipeline import build_pipeline
     with pytest.raises(ValueError, match="partition_method='type:Block'"):
         build_pipeline(gpt2_layer_specs(CONFIG), 1, partition_method="type:Block")
 
@@ -175,7 +175,7 @@ def test_unknown_partition_method_is_named():
 @pytest.mark.parametrize("micro_batches, problem", [((0,), "micro_batches=0"), ((2, 2), "repeats a value")])
 def test_run_rejects_bad_micro_batches_before_launching(tmp_path, micro_batches, problem):
     with pytest.raises(ValueError, match=problem):
-        experiment.run(micro_batches, out_dir=tmp_path)
+        pipeline.run(micro_batches, out_dir=tmp_path)
     assert not any(tmp_path.iterdir())   # nothing was launched
 
 
@@ -186,8 +186,8 @@ MICRO_BATCHES = (1, 3)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return experiment.run(MICRO_BATCHES, out_dir=tmp_path_factory.mktemp("pipeline"), steps=3,
-                          micro_batch=2, seq_len=32, timeout=300)
+    return pipeline.run(MICRO_BATCHES, out_dir=tmp_path_factory.mktemp("pipeline"), steps=3,
+                        micro_batch=2, seq_len=32, timeout=300)
 
 
 def test_stages_split_the_layers_and_their_parameters(results):
@@ -206,7 +206,7 @@ def test_stages_split_the_layers_and_their_parameters(results):
 
 
 def test_pipeline_loss_matches_the_unsplit_model(results):
-    rows = {row["m"]: row for row in experiment.parity_rows(results)}
+    rows = {row["m"]: row for row in pipeline.parity_rows(results)}
     for m in MICRO_BATCHES:
         assert rows[m]["max |loss difference|"] <= 1e-6
         assert rows[m]["tied copies max |difference|"] == 0.0   # DeepSpeed keeps the two copies identical
@@ -237,7 +237,7 @@ def test_measured_timeline_respects_the_data_dependencies(results):
 
 
 def test_bubble_rows_put_formula_schedule_and_measurement_side_by_side(results):
-    rows = experiment.bubble_rows(results)
+    rows = bubble_rows(results)
     assert [(r["m"], r["stage"]) for r in rows] == [(m, s) for m in MICRO_BATCHES for s in (0, 1)]
     for row in rows:
         assert row["schedule idle slots"] == pytest.approx(row["bubble formula"])

@@ -3,7 +3,7 @@ ranks, a new process that loads the halfway checkpoint continues exactly as the 
 bitwise-identical losses (on a CPU), the same learning rates, the same data."""
 import pytest
 
-from helpers.experiments import resume
+from tests.rank_programs import resume
 
 pytestmark = pytest.mark.precision   # follows the precision rule: run again with the other one forced
 

@@ -1,17 +1,21 @@
-"""One rank of the expert-parallel experiment (notebook 06): train `helpers.moe.MoEGPT` with its experts
-spread over the ranks (ep_size), and step by step beside it its dense twin (the same parameters per
-token) on the same data.
+"""Mixture of experts with expert parallelism (notebook 06): a GPT-2 whose MLPs are DeepSpeed MoE layers,
+its experts spread over the ranks (ep_size), trained step by step beside its dense twin (the same
+parameters per token) on the same data.
+
+    torchrun --nproc_per_node 2 -m helpers.programs.moe --out runs/moe --num-experts 4 --ep-size 2 --k 1
+
 
 Every rank records what it holds (its experts and the shared weights), per step the tokens its batch
 sent to each expert, the auxiliary load-balancing loss, the language-model loss and the step time,
-and the collectives of one step. `run()` below launches it from a notebook and returns every rank's
-result; the other functions there turn those results into plot-ready arrays and tables.
+and the collectives of one step; helpers.moe turns those results into tables and curves.
 """
 import argparse
 import time
+from dataclasses import dataclass
 
-import numpy as np
 import torch
+from deepspeed.moe.layer import MoE
+from torch import nn
 
 from helpers import comms, moe
 from helpers.batches import ResumableBatches
@@ -19,11 +23,11 @@ from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
 from helpers.runtime import detect, init_single_process, quiet_deepspeed, seed_everything
-from helpers.model import MODEL_SIZES
+from helpers.model import build_model
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--num-experts", type=int, default=4)
     p.add_argument("--ep-size", type=int, default=2, help="ranks that share one set of experts")
@@ -41,6 +45,99 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
+
+# ---- the model ----
+
+class ContiguousExpert(nn.Module):
+    """A GPT-2 MLP as a DeepSpeed expert. With more than one expert per rank, DeepSpeed hands each expert
+    a strided slice of its token buffer (deepspeed/moe/experts.py, `inputs.chunk(..., dim=1)`), and
+    transformers' Conv1D reshapes its input with .view, which a strided slice refuses."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.mlp(hidden_states.contiguous())
+
+
+class MoEFeedForward(nn.Module):
+    """Stands in for a GPT-2 block's MLP. The block expects a tensor back; DeepSpeed's MoE returns
+    (output, aux loss, expert counts), so this keeps the last two for the model to collect."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.moe = moe
+        self.l_aux = self.exp_counts = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output, self.l_aux, self.exp_counts = self.moe(hidden_states)
+        return output
+
+
+@dataclass
+class MoEOutput:
+    loss: torch.Tensor | None   # lm_loss + aux_loss_coef x aux_loss: what to backpropagate
+    lm_loss: torch.Tensor | None
+    aux_loss: torch.Tensor      # load-balancing loss summed over the MoE layers (1 per layer when balanced)
+    logits: torch.Tensor
+    exp_counts: torch.Tensor    # (layers, E): tokens this process routed to each expert (before dropping)
+
+
+class MoEGPT(nn.Module):
+    """`build_model`'s GPT-2 with every block's MLP replaced by a DeepSpeed MoE layer of `num_experts`
+    experts, each starting as a copy of that MLP (DeepSpeed deep-copies the expert it is given).
+
+    forward(input_ids, labels) returns an `MoEOutput`. The auxiliary loss is Switch/GShard's
+    load-balancing loss E x sum_e (mean gate probability of e) x (fraction of tokens sent to e):
+    1 when tokens spread evenly, up to E when one expert takes them all. Adding aux_loss_coef times
+    it to the loss keeps the router from collapsing onto a few experts. Each expert takes at most
+    `helpers.moe.capacity(tokens, E, k, capacity_factor, min_capacity)` tokens per forward; the rest are dropped.
+    With ep_size > 1 the model must run under DeepSpeed (deepspeed.initialize sets up the expert groups).
+    """
+
+    def __init__(self, vocab_size: int, n_positions: int, size: str = "tiny", num_experts: int = 4, k: int = 1,
+                 ep_size: int = 1, capacity_factor: float = 1.0, min_capacity: int = 4,
+                 aux_loss_coef: float = 0.01, pad_token_id: int | None = None, seed: int = 0):
+        moe.check_moe_args(num_experts, ep_size, k)
+        super().__init__()
+        self.gpt = build_model(vocab_size, n_positions, size, pad_token_id, seed)
+        self.num_experts, self.k, self.ep_size, self.aux_loss_coef = num_experts, k, ep_size, aux_loss_coef
+        for block in self.gpt.transformer.h:
+            layer = MoE(self.gpt.config.n_embd, expert=ContiguousExpert(block.mlp), num_experts=num_experts,
+                        ep_size=ep_size, k=k, capacity_factor=capacity_factor, min_capacity=min_capacity)
+            block.mlp = MoEFeedForward(layer)
+
+    @property
+    def feed_forwards(self) -> list[MoEFeedForward]:
+        return [block.mlp for block in self.gpt.transformer.h]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> MoEOutput:
+        out = self.gpt(input_ids=input_ids, labels=labels)
+        aux = torch.stack([ff.l_aux for ff in self.feed_forwards]).sum()
+        counts = torch.stack([ff.exp_counts for ff in self.feed_forwards])
+        loss = None if labels is None else out.loss + self.aux_loss_coef * aux
+        return MoEOutput(loss, out.loss, aux, out.logits, counts)
+
+
+def dense_twin(vocab_size: int, n_positions: int, size: str = "tiny", k: int = 1, pad_token_id: int | None = None,
+               seed: int = 0) -> nn.Module:
+    """The dense GPT-2 that runs as many parameters per token as `MoEGPT` with top-k routing: the same
+    model (same seed, same embeddings and attention) with MLPs k x 4h wide. For k=1 it is exactly
+    `build_model`'s GPT-2; the MoE model has only its gates (h x E per layer) more per token."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be a positive integer")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+    model = build_model(vocab_size, n_positions, size, pad_token_id, seed)
+    if k > 1:
+        torch.manual_seed(seed)
+        for block in model.transformer.h:
+            block.mlp = GPT2MLP(k * moe.GPT2_MLP_RATIO * model.config.n_embd, model.config)
+            block.mlp.apply(model._init_weights)   # GPT-2's init, incl. the 1/sqrt(2 n_layer) output scaling
+    return model
+
+
+# ---- training ----
 
 def check_options(a, world_size: int) -> None:
     """ValueError for settings DeepSpeed would reject mid-launch (or that leave nothing to measure)."""
@@ -88,7 +185,7 @@ def train(engine, batches: ResumableBatches, steps: int) -> list[dict]:
         engine.backward(out.loss)
         engine.step()
         record = {"loss": out.loss.item(), "step_s": time.perf_counter() - start}   # item(): waits for the step
-        if isinstance(out, moe.MoEOutput):
+        if isinstance(out, MoEOutput):
             record.update(lm_loss=out.lm_loss.item(), aux_loss=out.aux_loss.item(),
                           aux_per_layer=[ff.l_aux.item() for ff in engine.module.feed_forwards],
                           exp_counts=out.exp_counts.tolist())
@@ -146,10 +243,10 @@ def main(argv=None):
     seed_everything(a.seed)
     precision = detect().precision if a.precision == "auto" else a.precision
     data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
-    models = {"moe": moe.MoEGPT(data.vocab_size, a.seq_len, a.model_size, a.num_experts, a.k, a.ep_size,
+    models = {"moe": MoEGPT(data.vocab_size, a.seq_len, a.model_size, a.num_experts, a.k, a.ep_size,
                                 a.capacity_factor, aux_loss_coef=a.aux_loss_coef, seed=a.seed)}
     if not a.skip_dense:
-        models["dense"] = moe.dense_twin(data.vocab_size, a.seq_len, a.model_size, a.k, seed=a.seed)
+        models["dense"] = dense_twin(data.vocab_size, a.seq_len, a.model_size, a.k, seed=a.seed)
     runs = train_side_by_side(models, a, data, precision, world)
     engine, result = runs["moe"]
     result.update(held=moe.count_params(engine.module, a.k), **held_experts(engine.module),
@@ -169,105 +266,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-
-
-# ---- the notebook's side: launch, then turn per-rank results into arrays and tables ----
-
-def run(n_ranks: int = 2, out_dir=None, timeout: float = 600, **options) -> list[dict]:
-    """Launch the experiment on n_ranks; return each rank's result (ordered by rank).
-    options: any of the rank program's flags, e.g. num_experts=4, ep_size=2, k=1, steps=30, skip_dense=True.
-    out_dir: where ranks write results and logs (default: helpers.runtime.run_dir("moe"))."""
-    from pathlib import Path
-
-    from helpers.launch import launch
-    from helpers.runtime import run_dir
-    out_dir = Path(out_dir) if out_dir is not None else run_dir("moe")
-    args = []
-    for key, value in options.items():
-        flag = f"--{key.replace('_', '-')}"
-        if value is True:
-            args.append(flag)
-        elif value is not False:
-            args.append(f"{flag}={value}")
-    try:   # unknown flags and bad values fail here, before any rank starts
-        a = parse(["--out", str(out_dir), *args])
-    except SystemExit:   # argparse has printed what is wrong
-        raise ValueError(f"bad experiment options {options} (see `python -m {__name__} --help`)") from None
-    check_options(a, n_ranks)
-    return launch(__name__, n_ranks, args, out_dir=out_dir, timeout=timeout)
-
-
-def expert_load(results: list[dict], layer: int = 0) -> np.ndarray:
-    """(steps, E): tokens routed to each expert in one MoE layer at each step, summed over the ranks
-    (counted at the router, before any are dropped for lack of capacity)."""
-    return np.sum([[step["exp_counts"][layer] for step in r["moe"]["history"]] for r in results], axis=0)
-
-
-def load_fractions(results: list[dict], layer: int = 0) -> np.ndarray:
-    """(steps, E): each expert's share of the routed tokens; 1/E each when perfectly balanced."""
-    load = expert_load(results, layer)
-    return load / load.sum(axis=1, keepdims=True)
-
-
-def dropped_fraction(results: list[dict]) -> np.ndarray:
-    """(steps, layers): fraction of all routes that went over an expert's capacity and were dropped.
-    Each rank's router fills each expert up to `helpers.moe.capacity` of that rank's own tokens."""
-    s = results[0]["settings"]
-    tokens, k = s["tokens_per_rank_step"], s["k"]
-    dropped = [[[moe.dropped_tokens(counts, tokens, k, s["capacity_factor"]) for counts in step["exp_counts"]]
-                for step in r["moe"]["history"]] for r in results]
-    return np.sum(dropped, axis=0) / (tokens * k * len(results))
-
-
-def curves(results: list[dict]) -> dict[str, np.ndarray]:
-    """Per step, averaged over ranks: the MoE model's LM loss, its summed aux loss, its total loss, and
-    the dense twin's loss (absent with skip_dense)."""
-    def mean(model: str, key: str) -> np.ndarray:
-        return np.mean([[step[key] for step in r[model]["history"]] for r in results], axis=0)
-    out = {"step": np.arange(1, len(results[0]["moe"]["history"]) + 1), "lm_loss": mean("moe", "lm_loss"),
-           "aux_loss": mean("moe", "aux_loss"), "loss": mean("moe", "loss")}
-    if "dense" in results[0]:
-        out["dense_loss"] = mean("dense", "loss")
-    return out
-
-
-def tokens_per_s(results: list[dict], model: str = "moe", skip_first: int = 2) -> float:
-    """Tokens per second over all ranks, from the median step. The ranks move in lockstep (every step
-    has collectives), so a step lasts as long as its slowest rank; the median shrugs off the steps
-    another process on the machine slowed down; the first steps (logging, warm-up) are left out."""
-    s = results[0]["settings"]
-    step_s = np.max([[step["step_s"] for step in r[model]["history"]] for r in results], axis=0)[skip_first:]
-    return s["tokens_per_rank_step"] * s["world_size"] / float(np.median(step_s))
-
-
-def throughput(results: list[dict], skip_first: int = 2) -> dict[str, float]:
-    """MoE vs dense twin tokens/s, and MoE / dense. Same work per token on paper; the MoE model also
-    runs the router, pads each expert's batch to its capacity and does two all-to-alls per layer in
-    each direction. A measurement, not a claim: on a shared machine it moves from run to run."""
-    moe_rate, dense_rate = tokens_per_s(results, "moe", skip_first), tokens_per_s(results, "dense", skip_first)
-    return {"moe_tokens_per_s": moe_rate, "dense_tokens_per_s": dense_rate, "moe_over_dense": moe_rate / dense_rate}
-
-
-def param_rows(results: list[dict]) -> list[dict]:
-    """Per rank: parameters stored (counted from the module) beside the formula's per-rank, total and
-    active counts, and the dense twin's size."""
-    rows = []
-    for r in results:
-        m, f = r["moe"], r["moe"]["formula"]
-        rows.append({"rank": r["rank"], "experts held": m["expert_ids"], "stored": m["held"]["total"],
-                     "stored (formula)": f["per_rank"], "expert params stored": m["held"]["expert"],
-                     "model total (formula)": f["total"], "active per token": m["held"]["active"],
-                     "active (formula)": f["active"], "dense twin": r["dense"]["params"] if "dense" in r else None})
-    return rows
-
-
-def all_to_all_bytes(results: list[dict]) -> dict[str, int]:
-    """Bytes one rank handed to all_to_all_single in the logged step, beside the prediction: 4 per MoE
-    layer (dispatch and combine, forward and backward), each an (E, capacity, h) tensor."""
-    s, r = results[0]["settings"], results[0]
-    n_layer, n_embd, _ = MODEL_SIZES[s["model_size"]]
-    cap = moe.capacity(s["tokens_per_rank_step"], s["num_experts"], s["k"], s["capacity_factor"])
-    element = {"fp32": 4, "bf16": 2, "fp16": 2}[s["precision"]]
-    logged = r["moe"]["comm_logged"].get("all_to_all_single", {})
-    return {"logged": sum(int(size) * count for size, count in logged.items()),   # JSON made the sizes strings
-            "predicted": 4 * n_layer * s["num_experts"] * cap * n_embd * element}

@@ -9,9 +9,10 @@ ZeRO stage honours it: stage 0 in `engine.allreduce_bucket` (engine.py:3795), st
 parameters' own dtype, and the gradient-norm all-reduce stays in fp32 (fp64 at stage 3). Left unset,
 it defaults to the training precision (engine.py:1719), so we train in fp32 to see all three.
 
-Rank program: `python -m helpers.experiments.comm_dtype --out DIR --dtypes fp32 bf16`, one run per
-communication dtype, same model, data and seed; or `--zeropp ...` for one ZeRO++ trial (see
-`zeropp_trials`). From a notebook: `run(2)`, `rows(...)`, `zeropp_config()`, `zeropp_trials()`.
+    torchrun --nproc_per_node 2 -m helpers.programs.comm_dtype --out runs/comm --dtypes fp32 bf16
+
+One run per communication dtype, same model, data and seed; or `--zeropp weights gradients hpz` for
+one ZeRO++ trial (see `zeropp_trial`). helpers.comms turns the results into a table.
 """
 import argparse
 import traceback
@@ -19,9 +20,10 @@ import traceback
 import torch
 
 from helpers import comms, memory
-from helpers.config import ConfigError, build_config, validate
+from helpers.config import ConfigError
+from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
-from helpers.experiments import zero_stages
+from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
 COMM_DTYPES = ("fp32", "bf16", "fp16")
@@ -36,7 +38,7 @@ ZEROPP_FEATURES = ("weights", "gradients", "hpz")   # quantized weights (qwZ), q
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--dtypes", nargs="+", choices=COMM_DTYPES, default=["fp32", "bf16"],
                    help="communication_data_type values, run one after another")
@@ -99,7 +101,11 @@ def run_dtype(a, dtype: str, data, n_params: int) -> dict:
 
 def main(argv=None):
     a = parse(argv)
-    data, n_params = zero_stages.setup(a)
+    if a.steps < 3:
+        raise SystemExit(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
+    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
+    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
     if a.zeropp is not None:
         write_result(a.out, zeropp_trial(a, data, n_params))
     else:
@@ -119,26 +125,6 @@ def zeropp_block(features=ZEROPP_FEATURES, hpz_partition_size: int = 1) -> dict:
     return {"zero_quantized_weights": "weights" in features,
             "zero_quantized_gradients": "gradients" in features,
             "zero_hpz_partition_size": hpz_partition_size if "hpz" in features else 1}
-
-
-def zeropp_config(hpz_partition_size: int | None = None, features=ZEROPP_FEATURES, **build_options) -> dict:
-    """A complete ZeRO-3 config with ZeRO++ on, from `helpers.config.build_config` (`config["zero_optimization"]`
-    is the ZeRO++ block). hpz_partition_size: GPUs per node, so the secondary copy of the weights is
-    gathered over the fast intra-node links (the paper's setting); defaults to the GPUs here (1 on a CPU)."""
-    if hpz_partition_size is None:
-        from helpers.launch import gpu_count
-        hpz_partition_size = max(1, gpu_count())
-    return build_config(zero_stage=3, zero_extra=zeropp_block(features, hpz_partition_size), **build_options)
-
-
-def validator_refusal(config: dict, device: str = "cpu", world_size: int = 1) -> str | None:
-    """What `helpers.config.validate` says about `config` on `device`, before any engine exists
-    (None when it accepts it). On a CPU, ZeRO++ is refused with a ConfigError naming the key."""
-    try:
-        validate(config, device=device, world_size=world_size)
-    except ConfigError as err:
-        return str(err)
-    return None
 
 
 def zeropp_trial(a, data, n_params: int) -> dict:
@@ -199,78 +185,3 @@ def describe_failure(err: Exception, when: str) -> dict:
 
 if __name__ == "__main__":
     main()
-
-
-# ---- the notebook's side: launch the runs and turn per-rank results into a table ----
-
-def _launch(n_ranks: int, args: list[str], out_dir, options: dict) -> list[dict]:
-    from helpers.launch import launch
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
-    return launch(__name__, n_ranks, [*args, *flags], out_dir=out_dir)
-
-
-def run(n_ranks: int = 2, dtypes=("fp32", "bf16"), stage: int = 0, out_dir=".", **options) -> dict[str, list]:
-    """Train once per communication dtype on n_ranks (one launch); return {dtype: [rank 0's result, rank 1's, ...]}.
-    options: any rank-program flag, e.g. steps=24, precision="fp32", model_size="tiny"."""
-    from pathlib import Path
-    ranks = _launch(n_ranks, ["--dtypes", *dtypes, "--stage", str(stage)], Path(out_dir) / f"stage{stage}", options)
-    return {d: [{**r["runs"][i], "rank": r["rank"]} for r in ranks] for i, d in enumerate(dtypes)}
-
-
-def global_losses(ranks: list[dict]) -> list[float]:
-    """Per step, the loss of the whole global batch: the mean of the ranks' equal-sized micro-batch losses."""
-    return [sum(step) / len(step) for step in zip(*(r["losses"] for r in ranks))]
-
-
-def rows(results: dict[str, list]) -> list[dict]:
-    """Per communication dtype: what rank 0 sent in one step (gradients and in all) against fp32, and the loss."""
-    if "fp32" not in results:
-        raise ValueError(f"results hold {sorted(results)}: include 'fp32', the reference the others are compared to")
-    reference = results["fp32"][0]
-    base_loss = global_losses(results["fp32"])
-    table = []
-    for dtype, ranks in results.items():
-        r, losses = ranks[0], global_losses(ranks)
-        total = sum(r["comm_sent_bytes"].values())
-        table.append({
-            "comm dtype": dtype, "gradient MB/step": r["gradient_sent_bytes"] / 1e6,
-            "gradient vs fp32": r["gradient_sent_bytes"] / reference["gradient_sent_bytes"],
-            "total MB/step": total / 1e6, "total vs fp32": total / sum(reference["comm_sent_bytes"].values()),
-            "final loss": losses[-1], "max |loss - fp32 loss|": max(abs(x - y) for x, y in zip(losses, base_loss)),
-            "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
-    return table
-
-
-def zeropp_trials(features=("weights", "gradients", "hpz"), n_ranks: int = 2, hpz_partition_size: int = 2,
-                  out_dir=".", **options) -> dict[str, list]:
-    """One launch per ZeRO++ feature (a failed engine leaves a process unusable); return {feature: [rank results]}.
-
-    Each result says whether training ran, and if not, where DeepSpeed failed ("deepspeed.initialize" or
-    "step 1 (backward)"), its message and the DeepSpeed source line (see `zeropp_trial`); on a CPU,
-    helpers.config's ConfigError."""
-    from pathlib import Path
-    results = {}
-    for feature in features:
-        args = ["--zeropp", *feature.split("+"), "--hpz", str(hpz_partition_size)]
-        ranks = _launch(n_ranks, args, Path(out_dir) / f"zeropp-{feature}", {"steps": 3, **options})
-        results[feature] = ranks
-    return results
-
-
-def run_zeropp_gpu(steps: int = 5, out_dir=".", **options) -> list[dict]:
-    """ZeRO++ with all three features on this machine's GPUs (one rank per GPU); per-rank results.
-
-    On one GPU: hpz_partition_size 1 (there is no second device to hold a secondary copy), nothing is
-    sent (world size 1), and quantized gradients are inactive: DeepSpeed quantizes gradients only
-    across nodes (world_size // GPUs per node > 1, zero/stage3.py:1928) and otherwise uses a plain
-    reduce_scatter. Quantized weights do run their CUDA quantize kernel in every all-gather.
-    """
-    from helpers.launch import gpu_count
-    gpus = gpu_count()
-    if gpus == 0:
-        raise RuntimeError("ZeRO++ needs a CUDA GPU (its quantizer has CUDA kernels only); this machine has "
-                           "none. On a CPU, see validator_refusal() and zeropp_trial's notes on what DeepSpeed does there.")
-    trials = zeropp_trials(("weights+gradients+hpz",), n_ranks=gpus, hpz_partition_size=gpus,
-                           out_dir=out_dir,
-                           **{"steps": steps, "precision": "auto", **options})
-    return trials["weights+gradients+hpz"]
