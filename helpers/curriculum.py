@@ -2,8 +2,9 @@
 
 The idea (Li et al., "The Stability-Efficiency Dilemma", 2022): start training on short sequences and
 lengthen them step by step. DeepSpeed 0.19 dropped the old top-level `curriculum_learning` block, so
-we drive its scheduler ourselves, as its data sampler does: before step s (counted from 1) ask
-`scheduler.update_difficulty(s)` for the sequence length, and truncate the batch to it.
+the training loop drives its scheduler itself, as its data sampler does: before step s (counted from
+1) ask `scheduler.update_difficulty(s)` for the sequence length, and truncate the batch to it.
+Notebook 06 holds that loop; this module checks schedules, makes the data and judges the outcome.
 
 Fair comparison, by design:
 - both runs see the same number of tokens per step (`tokens_per_step`): a step at length L uses
@@ -12,7 +13,7 @@ Fair comparison, by design:
   schedule (by step = by token), the same model initialisation, data order and seed;
 - both are judged on the same held-out sequences at full length, against tokens seen.
 One cost is not equalised: a sequence of L tokens gives L - 1 next-token predictions, so short
-steps train on slightly fewer predictions (reported as `predictions_seen`).
+steps train on slightly fewer predictions.
 """
 from __future__ import annotations
 
@@ -21,11 +22,8 @@ from itertools import pairwise
 
 import torch
 
-from .batches import ResumableBatches
-from .config import build_config, validate
 from .data import SyntheticTextDataset
-from .runtime import detect, init_single_process, quiet_deepspeed, seed_everything
-from .model import build_model
+from .runtime import quiet_deepspeed
 
 SCHEDULE_TYPES = ("fixed_linear", "fixed_root", "fixed_discrete")
 
@@ -120,20 +118,6 @@ def rows_per_step(tokens_per_step: int, seq_len: int) -> int:
     return tokens_per_step // seq_len
 
 
-def _engine(data, model_size: str, rows: int, lr: float, warmup_steps: int, steps: int, seed: int):
-    """A fresh fp32 DeepSpeed engine on a freshly initialised GPT-2 (same seed = same weights)."""
-    import deepspeed
-    runtime = detect()
-    init_single_process()
-    quiet_deepspeed()
-    seed_everything(seed)
-    model = build_model(data.vocab_size, data.seq_len, model_size, data.tokenizer.pad_token_id, seed)
-    config = validate(build_config(micro_batch=rows, lr=lr, warmup_steps=warmup_steps, total_steps=steps,
-                                   torch_adam=not runtime.is_gpu), device=runtime.device)
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    return engine
-
-
 @torch.no_grad()
 def heldout_row_losses(engine, heldout: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of each held-out sequence (full length), without updating anything."""
@@ -145,72 +129,16 @@ def heldout_row_losses(engine, heldout: torch.Tensor) -> torch.Tensor:
     return losses.mean(1).cpu()
 
 
-def train_run(length_for_step, data, heldout: torch.Tensor, *, steps: int, tokens_per_step: int,
-              model_size: str = "tiny", lr: float = 3e-3, warmup_steps: int = 5, eval_every: int = 5,
-              seed: int = 0) -> dict:
-    """Train `steps` steps; step s uses sequences of length_for_step(s), tokens_per_step tokens in all.
+def datasets(schedule: dict, steps: int, tokens_per_step: int, seq_len: int, heldout_rows: int = 64, seed: int = 0):
+    """(training rows, enough for the hungrier run without repeats; held-out sequences from the same chain).
 
-    Returns {"history": per step {"step", "seq_len", "rows", "tokens_seen", "predictions_seen", "loss",
-    "lr"}, "evals": {"step", "tokens_seen", "heldout_loss"} every eval_every steps (and at step 0),
-    "final_row_losses": held-out loss per sequence at the end}.
-    """
-    engine = _engine(data, model_size, tokens_per_step // data.seq_len, lr, warmup_steps, steps, seed)
-    rows = ResumableBatches(data, micro_batch=1, seed=seed)   # one shared row order for every run
-    history, evals, tokens, predictions = [], [], 0, 0
-
-    def evaluate(step: int) -> torch.Tensor:
-        row_losses = heldout_row_losses(engine, heldout)
-        evals.append({"step": step, "tokens_seen": tokens, "heldout_loss": row_losses.mean().item()})
-        return row_losses
-
-    evaluate(0)
-    for step in range(1, steps + 1):
-        seq_len = length_for_step(step)
-        n_rows = rows_per_step(tokens_per_step, seq_len)
-        ids = truncate(torch.cat([rows.next() for _ in range(n_rows)]), seq_len).to(engine.device)
-        lr_now = engine.optimizer.param_groups[0]["lr"]   # the rate this step uses
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        tokens, predictions = tokens + ids.numel(), predictions + ids.shape[0] * (ids.shape[1] - 1)
-        history.append({"step": step, "seq_len": ids.shape[1], "rows": ids.shape[0], "tokens_seen": tokens,
-                        "predictions_seen": predictions, "loss": loss.item(), "lr": lr_now})
-        if step % eval_every == 0 or step == steps:
-            final = evaluate(step)   # the last step is always evaluated
-    engine.destroy()
-    return {"history": history, "evals": evals, "final_row_losses": final.tolist()}
-
-
-def compare(steps: int = 40, tokens_per_step: int = 768, schedule: dict | None = None, seq_len: int = 64,
-            model_size: str = "tiny", lr: float = 3e-3, warmup_steps: int = 5, eval_every: int = 5,
-            heldout_rows: int = 64, seed: int = 0) -> dict:
-    """Curriculum (DeepSpeed's scheduler, short to long) vs baseline (always seq_len), same token budget.
-
-    Default schedule: fixed_linear 16 -> 64 in steps of 16 over the first half of training (not from 8:
-    lengths 8, 16, ..., 64 would need tokens_per_step divisible by 6720), so every
-    length (16, 32, 48, 64) divides tokens_per_step = 768 exactly (48, 24, 16 or 12 sequences a step).
-    Returns {"schedule", "tokens_per_step", "curriculum": train_run(...), "baseline": train_run(...),
-    "verdict": verdict(...)}.
-    """
-    schedule = check_schedule(schedule or seqlen_schedule(max_len=seq_len, total_curriculum_step=steps // 2),
-                              seq_len)
-    for length in set(lengths_over_steps(schedule, steps)) | {seq_len}:
-        rows_per_step(tokens_per_step, length)        # fail before training, not halfway
-    data, heldout = _datasets(schedule, steps, tokens_per_step, seq_len, heldout_rows, seed)
-    args = dict(steps=steps, tokens_per_step=tokens_per_step, model_size=model_size, lr=lr,
-                warmup_steps=warmup_steps, eval_every=eval_every, seed=seed)
-    scheduler = make_scheduler(schedule, seq_len)
-    curriculum = train_run(scheduler.update_difficulty, data, heldout, **args)
-    baseline = train_run(lambda step: seq_len, data, heldout, **args)
-    return {"schedule": schedule, "tokens_per_step": tokens_per_step, "curriculum": curriculum,
-            "baseline": baseline, "verdict": verdict(curriculum, baseline)}
-
-
-def _datasets(schedule: dict, steps: int, tokens_per_step: int, seq_len: int, heldout_rows: int, seed: int):
-    """Training rows for the hungrier run without repeats, and held-out sequences from the same chain."""
-    needed = sum(tokens_per_step // n for n in lengths_over_steps(schedule, steps))
-    data = SyntheticTextDataset("markov", n_samples=max(needed, steps * tokens_per_step // seq_len), seq_len=seq_len,
-                                seed=seed)
+    Fails before any training when a length of the schedule does not divide tokens_per_step."""
+    check_schedule(schedule, seq_len)
+    lengths = lengths_over_steps(schedule, steps)
+    for length in set(lengths) | {seq_len}:
+        rows_per_step(tokens_per_step, length)
+    needed = max(sum(tokens_per_step // n for n in lengths), steps * tokens_per_step // seq_len)
+    data = SyntheticTextDataset("markov", n_samples=needed, seq_len=seq_len, seed=seed)
     heldout = SyntheticTextDataset("markov", n_samples=heldout_rows, seq_len=seq_len, seed=seed + 10_000,
                                    tokenizer=data.tokenizer)
     return data, torch.stack([heldout[i]["input_ids"] for i in range(len(heldout))])

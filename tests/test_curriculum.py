@@ -1,12 +1,13 @@
 """Sequence-length curriculum: DeepSpeed's CurriculumScheduler against the documented formulas, the
-batch cut to the scheduled length, and equal token budgets for the curriculum and baseline runs."""
+batch cut to the scheduled length, the data for equal token budgets, and the verdict. (Notebook 06 runs
+the training loop itself and checks the lengths and token budgets of a real run.)"""
 import math
 
 import pytest
 import torch
 
-from helpers.curriculum import (check_schedule, compare, lengths_over_steps, make_scheduler, rows_per_step,
-                                seqlen_schedule, tokens_to_reach, truncate)
+from helpers.curriculum import (check_schedule, datasets, lengths_over_steps, make_scheduler, rows_per_step,
+                                seqlen_schedule, tokens_to_reach, truncate, verdict)
 
 
 def documented_length(step, lo, hi, total, granularity, root_degree=1):
@@ -72,44 +73,27 @@ def test_token_budget_that_does_not_split_is_refused():
     with pytest.raises(ValueError, match="tokens_per_step=100"):
         rows_per_step(100, 16)
     with pytest.raises(ValueError, match="tokens_per_step=200"):   # 48 does not divide it: caught before training
-        compare(steps=4, tokens_per_step=200, schedule=check_schedule(seqlen_schedule(16, 64, 2)))
+        datasets(check_schedule(seqlen_schedule(16, 64, 2)), steps=4, tokens_per_step=200, seq_len=64)
 
 
-@pytest.fixture(scope="module")
-def runs():
-    # 16, 32, 48, 64 all divide 192 tokens: 12, 6, 4 or 3 sequences a step.
-    schedule = seqlen_schedule(16, 64, total_curriculum_step=4, difficulty_step=16)
-    return compare(steps=6, tokens_per_step=192, schedule=schedule, eval_every=3, heldout_rows=8), schedule
+def test_data_covers_the_hungrier_run_and_the_heldout_rows_are_new():
+    schedule = seqlen_schedule(16, 64, total_curriculum_step=4, difficulty_step=16)   # 16, 32, 48, 64, 64, 64
+    data, heldout = datasets(schedule, steps=6, tokens_per_step=192, seq_len=64, heldout_rows=8)
+    assert len(data) == 12 + 6 + 4 + 3 + 3 + 3   # the curriculum run's rows (the baseline needs 6 x 3)
+    assert heldout.shape == (8, 64)
+    train_rows = {tuple(data[i]["input_ids"].tolist()) for i in range(len(data))}
+    assert not train_rows & {tuple(row.tolist()) for row in heldout}
 
 
-def test_curriculum_batches_have_the_scheduled_length(runs):
-    result, schedule = runs
-    measured = [h["seq_len"] for h in result["curriculum"]["history"]]   # shape of the batch that was trained on
-    assert measured == lengths_over_steps(schedule, 6) == [16, 32, 48, 64, 64, 64]
-    assert all(h["seq_len"] == 64 for h in result["baseline"]["history"])
-
-
-def test_both_runs_spend_the_same_token_budget(runs):
-    result, _ = runs
-    cur, base = result["curriculum"], result["baseline"]
-    assert [h["tokens_seen"] for h in cur["history"]] == [h["tokens_seen"] for h in base["history"]] \
-        == [192 * s for s in range(1, 7)]
-    assert [h["rows"] for h in cur["history"]] == [12, 6, 4, 3, 3, 3]
-    assert [h["lr"] for h in cur["history"]] == [h["lr"] for h in base["history"]]
-    # Same initial weights: the held-out loss before training is identical.
-    assert cur["evals"][0]["heldout_loss"] == base["evals"][0]["heldout_loss"]
-    # Fewer next-token predictions when sequences are short (L - 1 per sequence of L).
-    assert cur["history"][-1]["predictions_seen"] == sum(r * (n - 1) for r, n in ((12, 16), (6, 32), (4, 48), (9, 64)))
-
-
-def test_verdict_is_consistent_with_the_losses(runs):
-    result, _ = runs
-    v = result["verdict"]
-    cur, base = (torch.tensor(result[k]["final_row_losses"]) for k in ("curriculum", "baseline"))
-    assert v["difference"] == pytest.approx((cur - base).mean().item())
-    assert v["curriculum_loss"] == pytest.approx(cur.mean().item(), rel=1e-5)
-    expected = "tied" if abs(v["difference"]) < 2 * v["stderr"] else ("helped" if v["difference"] < 0 else "hurt")
-    assert v["outcome"] == expected
+def test_verdict_pairs_the_heldout_sequences():
+    def run(row_losses, final):
+        return {"final_row_losses": row_losses, "evals": [{"tokens_seen": 0, "heldout_loss": 5.0},
+                                                          {"tokens_seen": 100, "heldout_loss": final}]}
+    # Per-sequence differences -0.1 +- 0.01: far beyond 2 standard errors, so the curriculum helped.
+    v = verdict(run([2.0, 3.09, 4.0, 5.11], 3.5), run([2.1, 3.2, 4.1, 5.2], 3.65))
+    assert v["outcome"] == "helped" and v["difference"] == pytest.approx(-0.1, abs=1e-6)
+    assert verdict(run([2.0, 3.3], 2.65), run([2.1, 3.2], 2.65))["outcome"] == "tied"   # +-0.1: within the noise
+    assert v["baseline_tokens_to_match"] is None   # the baseline never got down to 3.5
 
 
 def test_tokens_to_reach_interpolates_between_evaluations():

@@ -27,7 +27,6 @@ from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
 COMM_DTYPES = ("fp32", "bf16", "fp16")
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Collectives that sum gradients across ranks. All-gathers and broadcasts move parameters and
 # bookkeeping (ZeRO-3 checks its parameter order with int64 broadcasts), never gradients.
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter")
