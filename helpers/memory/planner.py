@@ -81,16 +81,15 @@ def plan(model: str | dict, gpu_memory_gb: float, n_gpus: int = 1, seq_len: int 
     context). gpu_gb = model states + activations (+ the recomputed layer) + overhead_gb;
     fits = gpu_gb <= gpu_memory_gb. Activations are per GPU: data parallelism does not split them."""
     shape = models()[model] if isinstance(model, str) else model
-    rows = []
+    seq_len, rows = seq_len or shape["context"], []
     for offload, stages in OFFLOADS.items():
         for stage in stages:
             states = model_state_bytes(shape["params"], n_gpus, stage, offload, precision,
                                        shape["largest_layer_params"], counting)
             for ckpt in (False, True):
                 for mb in micro_batches:
-                    act = activation_bytes(seq_len or shape["context"], mb, shape["hidden"], shape["heads"],
-                                           shape["n_layer"], shape["vocab"], ELEMENT_BYTES[precision], ckpt,
-                                           dropout)["total"]
+                    act = activation_bytes(seq_len, mb, shape["hidden"], shape["heads"], shape["n_layer"],
+                                           shape["vocab"], ELEMENT_BYTES[precision], ckpt, dropout)["total"]
                     gpu = (states["gpu"] + act) / GB + overhead_gb
                     rows.append({"stage": stage, "offload": offload, "checkpointing": ckpt, "micro_batch": mb,
                                  "model_states_gb": states["gpu"] / GB, "activations_gb": act / GB,
