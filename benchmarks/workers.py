@@ -6,7 +6,7 @@ exactly one of them computes while the others wait on their pipe (idle, no CPU),
 the machine hits them all alike.
 
 Memory per worker: on a GPU the CUDA allocator's peak; on a CPU the peak resident set (VmHWM), reset
-after imports and data are loaded (helpers.activations' technique), reported with that baseline.
+after imports and data are loaded (helpers.memory.measured.memory_mark), reported with that baseline.
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.activations import _reset_peak_rss, _rss_bytes
-from helpers.memory import storage_bytes
+from helpers.memory.measured import memory_mark, peak_memory, storage_bytes
 
 
 class WorkerError(RuntimeError):
@@ -46,19 +45,6 @@ def tensor_bytes(*roots) -> int:
         elif type(obj).__module__.startswith(("torch.optim", "deepspeed")) and hasattr(obj, "__dict__"):
             todo += vars(obj).values()
     return storage_bytes(tensors)   # each storage once: views and tied weights share one
-
-
-def memory_mark(device: str) -> int:
-    """Reset the peak counter; return the bytes in use now (the baseline the peak is measured from)."""
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    _reset_peak_rss()   # Linux >= 4.0; if refused, the peak includes the imports' transients
-    return _rss_bytes("VmRSS")
-
-
-def peak_memory(device: str) -> int:
-    return torch.cuda.max_memory_allocated() if device == "cuda" else _rss_bytes("VmHWM")
 
 
 def serve(conn, name: str, data, setup, log_path: str) -> None:

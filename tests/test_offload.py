@@ -1,10 +1,12 @@
-"""ZeRO-Offload: where the bytes live after a step, against the offload formulas in helpers.fit;
-and which precisions a runtime offers (helpers.mixed_precision)."""
+"""ZeRO-Offload: where the bytes live after a step, against the offload formulas of the planner;
+and which precisions a runtime offers for notebook 05's 16-bit runs."""
 import pytest
 
-from helpers import fit, offload
 from helpers.data import SyntheticTextDataset
-from helpers.mixed_precision import available_precisions
+from helpers.memory import offload
+from helpers.memory.formulas import ELEMENT_BYTES
+from helpers.memory.planner import model_state_bytes
+from helpers.memory.sixteen_bit import available_precisions
 from helpers.precision import loss_tolerance
 from helpers.runtime import Runtime
 
@@ -26,9 +28,9 @@ def test_zero2_offload_leaves_only_parameters_on_the_accelerator(data, tmp_path)
     psi, precision = moved["n_params"], moved["precision"]
     assert plain["host_bytes"] == 0 and plain["optimizer"] == "AdamW"
     assert moved["optimizer"] == "DeepSpeedCPUAdam" and moved["host_devices"] == ["cpu"]
-    assert moved["accelerator_bytes"] == {"fp32": 4, "bf16": 2}[precision] * psi   # the model's own parameters
+    assert moved["accelerator_bytes"] == ELEMENT_BYTES[precision] * psi   # the model's own parameters
     # fp32 master + Adam m, v + the fp32 gradient partition, in either precision: DeepSpeed's estimator's 16 bytes
-    assert moved["host_bytes"] == fit.model_state_bytes(psi, 1, 2, "optimizer", precision)["cpu"] == 16 * psi
+    assert moved["host_bytes"] == model_state_bytes(psi, 1, 2, "optimizer", precision)["cpu"] == 16 * psi
     # same math, other optimizer
     assert moved["losses"] == pytest.approx(plain["losses"], abs=loss_tolerance(precision))
 
@@ -36,9 +38,9 @@ def test_zero2_offload_leaves_only_parameters_on_the_accelerator(data, tmp_path)
 def test_zero3_param_offload_moves_the_partitions_too(data, tmp_path):
     r = offload.run_config("ZeRO-3 + offload optimizer + params",
                            {"stage": 3, "offload_optimizer": CPU, "offload_param": CPU}, data, steps=1, output_dir=tmp_path)
-    formula = fit.model_state_bytes(r["n_params"], 1, 3, "optimizer+params", r["precision"])["cpu"]
+    formula = model_state_bytes(r["n_params"], 1, 3, "optimizer+params", r["precision"])["cpu"]
     # DeepSpeed 0.19 keeps one more gradient copy, in the training dtype, on the host (see notebook 05)
-    assert formula <= r["host_bytes"] <= formula + {"fp32": 4, "bf16": 2}[r["precision"]] * r["n_params"]
+    assert formula <= r["host_bytes"] <= formula + ELEMENT_BYTES[r["precision"]] * r["n_params"]
     assert r["accelerator_bytes"] < r["host_bytes"] / 4
 
 

@@ -1,5 +1,5 @@
-"""The memory explorer as ipywidgets: a control for every choice of helpers.explorer.estimate, and a
-chart, a verdict and the DeepSpeed JSON that follow them.
+"""The memory explorer as ipywidgets: a control for every choice of planner.estimate, and a chart
+(helpers.plots.plan_bars), a verdict and the DeepSpeed JSON that follow them.
 
 Works with ipywidgets 7.7 (Colab) and 8.x by construction: it uses only API the two share, namely
 Dropdown, ToggleButtons with (label, value) options, IntSlider(continuous_update=False), Checkbox,
@@ -15,33 +15,22 @@ import io
 import json
 
 import ipywidgets as widgets
-import matplotlib.pyplot as plt
 
-from . import explorer as logic
-from .plots import finish
+from .. import config as ds_config, plots
+from . import planner
+from .formulas import models
 
 DEFAULTS = dict(model="GPT-2 1.5B", gpu="T4", n_gpus_per_node=1, n_nodes=1, stage=0, offload="none",
                 precision="fp16", micro_batch=1, grad_accum=8, checkpointing=False, seq_len=1024)
 SEQ_LENS = (256, 512, 1024, 2048, 4096)
-PARTS = (("model_states_gb", "model states", "tab:blue"), ("activations_gb", "activations", "tab:orange"),
-         ("overhead_gb", "overhead", "tab:gray"))   # plots.plan_bars' colours
 WIDE = {"description_width": "initial"}   # long labels are not cut off
 
 
-def memory_figure(est: dict):
-    """One stacked bar of GB per GPU by part (as helpers.plots.plan_bars) against the GPU's memory."""
-    fig, ax = plt.subplots(figsize=(8, 2.2))
-    left = 0.0
-    for key, label, colour in PARTS:
-        ax.barh(["per GPU"], [est[key]], left=left, color=colour, label=f"{label} {est[key]:.1f} GB")
-        left += est[key]
-    memory = est["gpu_memory_gb"]
-    ax.axvline(memory, color="black", ls="--", label=f"{est['gpu']} memory {memory:g} GB")
-    ax.set(xlim=(0, 1.15 * max(left, memory)), xlabel="GB per GPU",
-           title=f"{est['model']} on {est['world_size']} x {est['gpu']}, ZeRO {est['stage']}: "
-                 f"{'fits' if est['fits'] else 'does not fit'}")
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    return finish(fig, None, "explorer")
+def figure(est: dict):
+    """The estimate as one bar of GB per GPU by part, against the GPU's memory."""
+    title = (f"{est['model']} on {est['world_size']} x {est['gpu']}, ZeRO {est['stage']}: "
+             f"{'fits' if est['fits'] else 'does not fit'}")
+    return plots.plan_bars([est], est["gpu_memory_gb"], title, name="explorer")
 
 
 def png_bytes(fig, dpi: int = 90) -> bytes:
@@ -72,12 +61,12 @@ def render(state: dict) -> dict:
     verdict (text) and figure; or, for choices DeepSpeed or the GPU would refuse, error (the message
     naming the field) and None/empty elsewhere."""
     try:
-        est, config = logic.estimate(**state), logic.config_for(**state)
+        est, config = planner.estimate(**state), planner.config_for(**state)
     except ValueError as error:   # helpers.config.ConfigError is a ValueError too
         return {"error": str(error), "estimate": None, "config": None, "json": "", "verdict": f"✗ {error}",
                 "figure": None}
     return {"error": None, "estimate": est, "config": config, "json": json.dumps(config, indent=2),
-            "verdict": verdict(est), "figure": memory_figure(est)}
+            "verdict": verdict(est), "figure": figure(est)}
 
 
 def _slider(description: str, value: int, high: int) -> widgets.IntSlider:
@@ -86,17 +75,17 @@ def _slider(description: str, value: int, high: int) -> widgets.IntSlider:
 
 
 def make_controls(state: dict) -> dict:
-    """A widget per argument of helpers.explorer.estimate, keyed by that argument's name."""
+    """A widget per argument of planner.estimate, keyed by that argument's name."""
     return {
-        "model": widgets.Dropdown(options=list(logic.models()), value=state["model"], description="model"),
-        "gpu": widgets.Dropdown(options=list(logic.GPUS), value=state["gpu"], description="GPU"),
+        "model": widgets.Dropdown(options=list(models()), value=state["model"], description="model"),
+        "gpu": widgets.Dropdown(options=list(planner.GPUS), value=state["gpu"], description="GPU"),
         "n_gpus_per_node": _slider("GPUs per node", state["n_gpus_per_node"], 16),
         "n_nodes": _slider("nodes", state["n_nodes"], 64),
-        "precision": widgets.ToggleButtons(options=list(logic.PRECISIONS), value=state["precision"],
+        "precision": widgets.ToggleButtons(options=list(ds_config.PRECISIONS), value=state["precision"],
                                            description="precision", style=WIDE),
         "stage": widgets.ToggleButtons(options=[(str(s), s) for s in (0, 1, 2, 3)], value=state["stage"],
                                        description="ZeRO stage", style=WIDE),
-        "offload": widgets.ToggleButtons(options=list(logic.OFFLOAD_CHOICES), value=state["offload"],
+        "offload": widgets.ToggleButtons(options=list(planner.OFFLOADS), value=state["offload"],
                                          description="offload", style=WIDE),
         "micro_batch": _slider("micro-batch", state["micro_batch"], 64),
         "grad_accum": _slider("grad. accumulation", state["grad_accum"], 64),
@@ -112,9 +101,9 @@ class Explorer(widgets.VBox):
     def __init__(self, **initial):
         unknown = set(initial) - set(DEFAULTS)
         if unknown:
-            raise ValueError(f"explorer() got unknown setting(s) {sorted(unknown)}: use {list(DEFAULTS)}")
+            raise ValueError(f"Explorer() got unknown setting(s) {sorted(unknown)}: use {list(DEFAULTS)}")
         state = {**DEFAULTS, **initial}
-        logic.check(**state)   # a clear error naming the field, not a Dropdown's "invalid selection"
+        planner.check(**state)   # a clear error naming the field, not a Dropdown's "invalid selection"
         super().__init__()
         self.controls = make_controls(state)
         self.verdict = widgets.HTML()
@@ -152,7 +141,3 @@ class Explorer(widgets.VBox):
             self.config_view.value = ""
         return shown
 
-
-def explorer(**initial) -> Explorer:
-    """The explorer widget (display it as a cell's value); keyword arguments override DEFAULTS."""
-    return Explorer(**initial)

@@ -1,0 +1,210 @@
+"""What a rank really holds, counted from its tensors, and a process's peak memory read from the OS.
+
+Counting storages (not tensors) is what makes the count honest: DeepSpeed's flat buffers are viewed by
+many parameters, and tied weights share one storage; each storage is counted once. Activations and
+communication buffers are not model states, so `held_bytes` reports the buffers apart.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+# Where DeepSpeed's ZeRO optimizers keep gradients (stages 1-2: DeepSpeedZeroOptimizer; 3: _Stage3)
+GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer")
+
+
+def measurement_zero_extra(n_params: int) -> dict:
+    """ZeRO settings that let a tiny model's measurement show the formulas.
+
+    DeepSpeed's communication buckets default to 5e8 elements (2 GB in fp32), allocated whole: they
+    would dwarf a 0.4M-param model. Below stage3_param_persistence_threshold (1e5 elements) ZeRO-3
+    keeps a parameter whole on every rank; for a tiny model that is every parameter.
+    """
+    bucket = n_params + n_params % 2   # allgather_bucket_size must be even
+    return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+            "stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0}
+
+
+def measuring_trainer(data, model_size: str = "tiny", zero_extra: dict | None = None, **trainer_args):
+    """An AdvancedDeepSpeedTrainer on `data` with `measurement_zero_extra` (entries of `zero_extra` win),
+    so what it holds can be set beside the formulas."""
+    from ..model import MODEL_SIZES, gpt2_param_count
+    from ..trainer import AdvancedDeepSpeedTrainer
+    n_layer, n_embd, _ = MODEL_SIZES[model_size]
+    n_params = gpt2_param_count(data.vocab_size, data.seq_len, n_layer, n_embd)   # before the model exists
+    return AdvancedDeepSpeedTrainer(data, model_size=model_size, **trainer_args,
+                                    zero_extra={**measurement_zero_extra(n_params), **(zero_extra or {})})
+
+
+def tensors_in(obj):
+    """Every tensor inside nested dicts/lists/tuples (None and other objects skipped)."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from tensors_in(value)
+
+
+def storage_bytes(tensors, seen: set | None = None) -> int:
+    """Bytes of the storages under `tensors`, each counted once: views and shared (tied) tensors
+    share one storage. `seen` carries over between calls so no byte lands in two components."""
+    total, seen = 0, set() if seen is None else seen
+    for t in tensors:
+        if t.device.type == "meta":   # shape-only placeholders own no memory
+            continue
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _inner(opt):
+    """The torch optimizer inside DeepSpeed's wrapper (the optimizer itself at ZeRO 0 in fp32)."""
+    return getattr(opt, "optimizer", opt)
+
+
+def _fp32_masters(opt) -> list:
+    """The fp32 master copies: the inner optimizer's params; ZeRO-3 lends them to it only during step()."""
+    return ([p for group in _inner(opt).param_groups for p in group["params"]]
+            + list(getattr(opt, "fp32_partitioned_groups_flat", [])))
+
+
+def held_bytes(engine) -> dict:
+    """Bytes of model states (and communication buffers) this rank holds now, by component.
+
+    Where DeepSpeed 0.19 keeps them (attributes of `engine.optimizer`, or of the model's params):
+    params: the module's params (stages 0-2: views of `bit16_groups_flat`); stage 3: `param.ds_tensor`.
+    grads: `param.grad`/`grad_accum` (stage 0, and stage 1 until the accumulation boundary); stage 2
+      partitions `averaged_gradients`, `all_grad_tensors`, `grads_in_partition` (with whole boundary
+      params: see `zero2_overhang_bytes`); stage 3 `grad_partitions_flat_buffer`.
+    optimizer: fp32 master params (the inner optimizer's params unless they are the model's own; stage 3
+      `fp32_partitioned_groups_flat`) + the inner optimizer's state (Adam exp_avg, exp_avg_sq).
+    buffers: reduce buckets `ipg_buckets`: ZeRO-1 while gradients wait for the boundary's reduction,
+      ZeRO-3 from init on (ZeRO-2 frees its bucket after each backward).
+    """
+    opt = engine.optimizer
+    model = list(engine.module.parameters())   # tied weights (wte = lm_head) appear once
+    masters = _fp32_masters(opt)
+    seen = set()   # shared across components: a storage counted once lands in the first that names it
+
+    def count(*objs):
+        return storage_bytes(tensors_in(objs), seen)
+
+    return {"params": count(model, [getattr(p, "ds_tensor", None) for p in model]),
+            "grads": count([p.grad for p in model + masters], [getattr(p, "grad_accum", None) for p in model],
+                           [getattr(opt, name, None) for name in GRAD_ATTRS]),
+            "optimizer": count(masters, list(_inner(opt).state.values())),
+            "buffers": count([getattr(b, "buffer", None) for b in getattr(opt, "ipg_buckets", {}).values()])}
+
+
+def zero2_overhang_bytes(engine) -> int:
+    """Gradient bytes a ZeRO-2 rank holds beyond its 1/N share (0 at other stages).
+
+    DeepSpeedZeroOptimizer keeps the *whole* gradient of every parameter that overlaps its partition
+    (`params_in_partition`; `grads_in_partition` and `all_grad_tensors` are sized by their full numel),
+    so a parameter cut by a partition boundary is held whole by both neighbouring ranks. That adds up
+    to two parameters per rank: negligible when a partition is much larger than the largest layer,
+    but not for a tiny model (or a 50k-vocab embedding split over many ranks).
+    """
+    if engine.zero_optimization_stage() != 2:
+        return 0
+    opt = engine.optimizer
+    extra = sum(sum(p.numel() for p in params) - size
+                for params, size in zip(opt.params_in_partition, opt.partition_size))
+    return extra * opt.gradient_accumulation_dtype.itemsize
+
+
+def measure_held(trainer) -> dict:
+    """`held_bytes` at the moment the paper's formulas describe: Adam state exists (one step ran) and
+    a micro-batch's gradients are accumulating. Needs grad_accum >= 2: DeepSpeed's ZeRO-1 keeps the
+    full gradient while accumulating (its peak, as in the paper), but at the end of the window it
+    reduces it and keeps only its partition, so after the last backward it looks like ZeRO-2."""
+    engine, accum = trainer.engine, trainer.grad_accum
+    if accum < 2:
+        raise ValueError("measure_held needs a trainer with grad_accum >= 2 (see the docstring)")
+    if trainer.step == 0:
+        trainer.train_step()
+    for micro in range(accum):
+        ids = trainer.batches.next().to(engine.device)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        if micro == 0:
+            held = held_bytes(engine)
+        engine.step()   # only the last micro-batch's call updates the weights
+    return held
+
+
+def host_side_tensors(engine) -> list:
+    """The tensors ZeRO-Offload keeps on the offload device (host) for this engine's config."""
+    opt, host = engine.optimizer, []
+    if engine.zero_cpu_offload():   # the CPU optimizer works on host fp32 partitions
+        masters = _fp32_masters(opt)
+        host += [masters, [p.grad for p in masters], list(_inner(opt).state.values()),
+                 # gradients land on the offload device: ZeRO-3's flat partition buffer, ZeRO-1/2's
+                 # accumulation copies (both allocated on `opt.device`, the CPU, when offloading)
+                 getattr(opt, "grad_partitions_flat_buffer", None), getattr(opt, "accumulated_grads_in_cpu", None)]
+    if engine.zero_offload_param():   # ZeRO-3: each parameter's own partition
+        host.append([getattr(p, "ds_tensor", None) for p in engine.module.parameters()])
+    return list(tensors_in(host))
+
+
+def split_by_side(engine) -> dict:
+    """Bytes held on the accelerator side vs the host (offload) side, and the devices the host tensors
+    are really on. On a CPU-only machine both sides are the same RAM: only the structure differs."""
+    host = host_side_tensors(engine)
+    host_bytes = storage_bytes(host)
+    return {"accelerator_bytes": sum(held_bytes(engine).values()) - host_bytes, "host_bytes": host_bytes,
+            "host_devices": sorted({t.device.type for t in host})}
+
+
+def peak_source(device_type: str) -> str:
+    """How a step's peak is read: the CUDA caching allocator's counters on a GPU, the process's peak
+    resident set size (RSS) elsewhere (a CPU has no allocator statistics)."""
+    return "cuda" if device_type == "cuda" else "rss"
+
+
+def rss_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak since start or the last reset) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0), so a warm-up step's peak doesn't count."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_now(device: str) -> int:
+    """Bytes in use now, read as `peak_source` says."""
+    import torch
+    return torch.cuda.memory_allocated() if peak_source(device) == "cuda" else rss_bytes("VmRSS")
+
+
+def memory_mark(device: str) -> int:
+    """Reset the peak counter; return the bytes in use now (the baseline the peak is measured from)."""
+    if peak_source(device) == "cuda":
+        import torch
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_rss()   # if refused, the peak also holds whatever ran before (imports, a warm-up step)
+    return memory_now(device)
+
+
+def peak_memory(device: str) -> int:
+    """Peak bytes in use since `memory_mark`."""
+    if peak_source(device) != "cuda":
+        return rss_bytes("VmHWM")
+    import torch
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()

@@ -1,0 +1,49 @@
+"""Notebook 05's 16-bit runs: what a 16-bit format changes, measured: model-state bytes, activation bytes
+and speed, beside fp32.
+
+Mixed precision keeps an fp32 master copy of the weights for the optimizer but stores the working
+parameters, gradients and activations in 16 bits: per parameter 2 + 2 + 12 bytes instead of fp32's
+4 + 4 + 12 (under ZeRO; formulas.bytes_per_param), and half the activation bytes. Speed depends on the
+hardware: tensor cores make 16-bit matmuls several times faster on a GPU; a CPU without AVX512-BF16/AMX
+emulates bf16 and is far slower than fp32 (helpers.precision.matmul_tflops measures it).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .activations import measure_step_memory
+from .measured import measure_held, measuring_trainer
+
+
+def available_precisions(runtime) -> list[str]:
+    """fp32 always; bf16 where DeepSpeed runs it (CPU, or a GPU with compute capability >= 8);
+    fp16 on any CUDA GPU (DeepSpeed refuses it on a CPU)."""
+    out = ["fp32"]
+    if not runtime.is_gpu or runtime.capability >= (8, 0):
+        out.append("bf16")
+    if runtime.is_gpu:
+        out.append("fp16")
+    return out
+
+
+def model_states(data, precision: str, steps: int = 3, output_dir=".", **trainer_args) -> dict:
+    """Train briefly at ZeRO 1 in `precision`; bytes held per component (measured.measure_held), tokens/s
+    and losses."""
+    trainer = measuring_trainer(data, precision=precision, zero_stage=1, micro_batch=4, grad_accum=2,
+                                warmup_steps=2, total_steps=steps + 4, output_dir=Path(output_dir) / precision,
+                                name=precision, **trainer_args)
+    held = measure_held(trainer)
+    history = trainer.train(steps, progress=False)
+    trainer.engine.destroy()
+    tokens_per_s = sorted(m["tokens_per_s"] for m in history)[len(history) // 2]
+    return {"precision": precision, "n_params": trainer.n_params, "held_bytes": held, "tokens_per_s": tokens_per_s,
+            "losses": [m["loss"] for m in trainer.history]}
+
+
+def compare(data, precisions, output_dir=".", seq_len: int = 512) -> list[dict]:
+    """Model states (ZeRO 1) and one plain-PyTorch step's activations (in a fresh process), per precision."""
+    rows = []
+    for precision in precisions:
+        act = measure_step_memory("tiny", seq_len, micro_batch=1, precision=precision, steps=2)
+        rows.append({**model_states(data, precision, output_dir=output_dir), "activation_bytes": act["forward_bytes"]})
+    return rows
