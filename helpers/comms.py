@@ -83,7 +83,7 @@ def paper_sent_bytes(n_params: int, n_ranks: int, stage: int, bytes_per_element:
 def stage_rows(default: dict[int, list], paper: dict[int, list], accum: int) -> list[dict]:
     """Per ZeRO stage and algorithm (DeepSpeed's defaults, the paper's): bytes rank 0 sent in one
     optimizer step, measured vs predicted. Each argument: {stage: [rank 0's result, rank 1's, ...]}."""
-    from helpers.memory import bytes_per_param
+    from helpers.memory.formulas import bytes_per_param
     rows = []
     for algorithm, results in (("deepspeed", default), ("paper", paper)):
         for stage, ranks in results.items():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from helpers.memory.formulas import bytes_per_param, zero_model_states
+
 # Where DeepSpeed's ZeRO optimizers keep gradients (stages 1-2: DeepSpeedZeroOptimizer; 3: _Stage3)
 GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer")
 
@@ -208,3 +210,32 @@ def peak_memory(device: str) -> int:
     import torch
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
+
+
+# ---- the ZeRO comparison's table (notebook 04) ----
+
+def memory_rows(results: dict[int, list]) -> list[dict]:
+    """Per stage and rank of helpers/programs/zero_stages.py's results ({stage: [rank results]}): measured
+    bytes per component beside the formula at this N and precision.
+    ZeRO-2's gradients are shown without the boundary overhang (whole gradients of parameters a
+    partition boundary cuts through), which is reported in its own column."""
+    rows = []
+    for stage, ranks in results.items():
+        for r in ranks:
+            sizes = bytes_per_param(r["precision"], stage)
+            formula = zero_model_states(r["n_params"], r["world_size"], stage, *sizes)
+            held = dict(r["held_bytes"], grads=r["held_bytes"]["grads"] - r["zero2_overhang_bytes"])
+            rows.append({"stage": stage, "rank": r["rank"], **{f"{k} measured": held[k] for k in
+                         ("params", "grads", "optimizer")}, **{f"{k} formula": formula[k] for k in
+                         ("params", "grads", "optimizer")}, "boundary grads": r["zero2_overhang_bytes"],
+                         "buffers": held["buffers"], "device peak MiB": r["peak_memory_mib"]})
+    return rows
+
+
+def stacked_parts(rows: list[dict], rank: int = 0) -> tuple[dict, dict]:
+    """(measured, formula) per stage for one rank, as {stage: {part: bytes}}, for plots.stacked_memory."""
+    mine = {row["stage"]: row for row in rows if row["rank"] == rank}
+    measured = {s: {"params": r["params measured"], "grads": r["grads measured"] + r["boundary grads"],
+                    "optimizer": r["optimizer measured"], "buffers": r["buffers"]} for s, r in mine.items()}
+    formula = {s: {k: r[f"{k} formula"] for k in ("params", "grads", "optimizer")} for s, r in mine.items()}
+    return measured, formula

@@ -19,10 +19,11 @@ import traceback
 
 import torch
 
-from helpers import comms, memory
+from helpers import comms
 from helpers.config import ConfigError
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
+from helpers.memory.measured import measurement_zero_extra
 from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
@@ -66,7 +67,7 @@ def trainer_options(a, stage: int, n_params: int) -> dict:
     """What every run of this experiment shares: model, batch, schedule, seed, small ZeRO buckets."""
     return dict(model_size=a.model_size, zero_stage=stage, precision=a.precision, micro_batch=a.micro_batch,
                 grad_accum=a.grad_accum, lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, seed=a.seed,
-                zero_extra=memory.measurement_zero_extra(n_params))
+                zero_extra=measurement_zero_extra(n_params))
 
 
 def log_one_step(trainer) -> dict:

@@ -12,9 +12,10 @@ import argparse
 
 import torch
 
-from helpers import comms, memory
+from helpers import comms
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
+from helpers.memory.measured import measure_held, measurement_zero_extra, zero2_overhang_bytes
 from helpers.metrics import memory_mib
 from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.trainer import AdvancedDeepSpeedTrainer
@@ -28,7 +29,7 @@ def parse(argv=None):
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--grad-accum", type=int, default=2, help=">= 2: see helpers.memory.measure_held")
+    p.add_argument("--grad-accum", type=int, default=2, help=">= 2: see helpers.memory.measured.measure_held")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paper-comm", action="store_true",
@@ -46,8 +47,8 @@ PAPER_COMM = {1: {"use_multi_rank_bucket_allreduce": False}, 2: {"use_multi_rank
 
 def zero_extra(a, stage: int, n_params: int) -> dict:
     """Keys added to the trainer's zero_optimization block: buckets small enough that ZeRO really
-    partitions this tiny model (helpers.memory's measurement_zero_extra), and the paper's algorithm."""
-    return {**memory.measurement_zero_extra(n_params), **(PAPER_COMM.get(stage, {}) if a.paper_comm else {})}
+    partitions this tiny model (measurement_zero_extra), and the paper's algorithm."""
+    return {**measurement_zero_extra(n_params), **(PAPER_COMM.get(stage, {}) if a.paper_comm else {})}
 
 
 def run_stage(a, stage: int, data, n_params: int) -> dict:
@@ -60,7 +61,7 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
     if trainer.runtime.is_gpu:
         torch.cuda.reset_peak_memory_stats()
     trainer.train(1, progress=False)             # warm-up: buffers allocated, optimizer state created
-    held = memory.measure_held(trainer)          # model states while gradients accumulate (one step)
+    held = measure_held(trainer)          # model states while gradients accumulate (one step)
     comms.start_logging()
     trainer.train(1, progress=False)             # one step's collectives, logged
     logged = comms.stop_logging()
@@ -70,7 +71,7 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
         "stage": stage, "world_size": world, "n_params": n_params, "precision": trainer.precision,
         "device": str(trainer.engine.device), "backend": torch.distributed.get_backend(),
         "zero_config": trainer.config["zero_optimization"],
-        "held_bytes": held, "zero2_overhang_bytes": memory.zero2_overhang_bytes(trainer.engine),
+        "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(trainer.engine),
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
         "peak_memory_mib": memory_mib("cuda") if trainer.runtime.is_gpu else None,
         "step_s": [m["step_s"] for m in history], "losses": [m["loss"] for m in trainer.history],

@@ -13,7 +13,7 @@ import torch
 
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
-from helpers.memory import measurement_zero_extra
+from helpers.memory.measured import measurement_zero_extra
 from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
