@@ -5,7 +5,7 @@ one optimizer file per rank. `export_hf` puts them back together with DeepSpeed'
 `zero_to_fp32` and writes a directory that `AutoModelForCausalLM.from_pretrained` and
 `pipeline("text-generation")` load, with the project's tokenizer beside the weights.
 
-From a shell, for a checkpoint written by `python -m helpers.train`:
+From a shell, for a checkpoint written by `python -m helpers.programs.train`:
     python -m helpers.export runs/train/zero3/checkpoints runs/train/zero3/hf
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer=None, m
     """Write a DeepSpeed checkpoint (any ZeRO stage, any number of ranks) as a HF model directory.
 
     tokenizer, model_config: the run's tokenizer and the model's config (`trainer.tokenizer`,
-    `trainer.engine.module.config`); None reads them from checkpoint_dir, where helpers.train
+    `trainer.engine.module.config`); None reads them from checkpoint_dir, where helpers/programs/train.py
     saves both. Returns out_dir, ready for `from_pretrained` and `pipeline("text-generation")`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -73,7 +73,7 @@ def _saved_by_train(checkpoint_dir: Path, name: str) -> Path:
     if not (checkpoint_dir / name).is_file():
         raise FileNotFoundError(f"no {name} in {checkpoint_dir}: pass tokenizer= and model_config= "
                                 "(trainer.tokenizer, trainer.engine.module.config), or export a checkpoint "
-                                "directory written by `python -m helpers.train`, which saves both there")
+                                "directory written by `python -m helpers.programs.train`, which saves both there")
     return checkpoint_dir
 
 
@@ -156,7 +156,7 @@ def _silenced():
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Export a DeepSpeed checkpoint written by helpers.train "
+    p = argparse.ArgumentParser(description="Export a DeepSpeed checkpoint written by helpers.programs.train "
                                             "as a Hugging Face model directory.")
     p.add_argument("checkpoint_dir", help="the run's checkpoints directory (holds 'latest')")
     p.add_argument("out_dir")

@@ -22,7 +22,7 @@ from helpers.config import build_config, save_json
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # The trainer's default hyperparameters (helpers.trainer.AdvancedDeepSpeedTrainer), so a file run by
-# `python -m helpers.train` trains as the notebooks' trainer does.
+# `python -m helpers.programs.train` trains as the notebooks' trainer does.
 COMMON = dict(micro_batch=16, grad_accum=1, lr=3e-3, weight_decay=0.01, warmup_steps=20, total_steps=300,
               grad_clip=1.0)
 

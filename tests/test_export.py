@@ -1,6 +1,6 @@
 """helpers.export: DeepSpeed checkpoints of every ZeRO stage become HF models that give the engine's
 logits and generate through a text-generation pipeline; the TensorBoard hint. (A 2-rank ZeRO-3
-checkpoint written by `helpers.train` under torchrun is exported in test_train_cli.py.)"""
+checkpoint written by helpers/programs/train.py under torchrun is exported in test_train_cli.py.)"""
 import sys
 import types
 

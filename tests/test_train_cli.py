@@ -1,4 +1,4 @@
-"""helpers.train: the trainer as a script on 2 CPU ranks under torchrun and the deepspeed launcher,
+"""helpers/programs/train.py: the trainer as a script on 2 CPU ranks under torchrun and the deepspeed launcher,
 with metrics, TensorBoard logs and checkpoints; the 2-rank ZeRO-3 checkpoint exported to HF."""
 import json
 
@@ -6,7 +6,9 @@ import deepspeed
 import pytest
 import torch
 
-from helpers import presets, train
+from helpers import presets
+from helpers.launch import run_program
+from helpers.programs import train
 from helpers.config import ConfigError
 from helpers.metrics import read_tensorboard
 
@@ -16,13 +18,13 @@ SMALL = dict(seq_len=16, n_samples=64, eval_samples=16, steps=4)   # eval: one b
 @pytest.fixture(scope="module")
 def torchrun_zero3(tmp_path_factory):
     out = tmp_path_factory.mktemp("torchrun_zero3")
-    return out, train.run_script(presets.CONFIG_DIR / "zero3.json", 2, "torchrun", out_dir=out, save_every=2, **SMALL)
+    return out, run_program("train", 2, out_dir=out, config=presets.CONFIG_DIR / "zero3.json", save_every=2, **SMALL)
 
 
 @pytest.fixture(scope="module")
 def deepspeed_zero2(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed_zero2")
-    return out, train.run_script(presets.CONFIG_DIR / "zero2.json", 2, "deepspeed", out_dir=out, **SMALL)
+    return out, run_program("train", 2, out_dir=out, launcher="deepspeed", config=presets.CONFIG_DIR / "zero2.json", **SMALL)
 
 
 def test_two_ranks_train_one_model(torchrun_zero3):
@@ -158,5 +160,5 @@ def test_deepspeed_launchers_local_rank_flag_is_accepted():
 
 def test_missing_config_is_named_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="nope.json not found"):
-        train.run_script("configs/nope.json", 2, out_dir=tmp_path / "never")
+        run_program("train", 2, out_dir=tmp_path / "never", config="configs/nope.json")
     assert not (tmp_path / "never").exists()

@@ -3,9 +3,9 @@
 The notebooks run one rank inside the kernel; this runs the same `AdvancedDeepSpeedTrainer` on as
 many ranks as a launcher starts (the world size comes from the launcher, never from the file):
 
-    python -m helpers.train --config configs/zero2.json                      # 1 rank
-    deepspeed --num_gpus 8 --module helpers.train --config configs/zero3.json
-    torchrun --nproc_per_node 8 -m helpers.train --config configs/zero3.json
+    python -m helpers.programs.train --config configs/zero2.json             # 1 rank
+    deepspeed --num_gpus 8 --module helpers.programs.train --config configs/zero3.json
+    torchrun --nproc_per_node 8 -m helpers.programs.train --config configs/zero3.json
 
 It writes TensorBoard scalars (OUTPUT_DIR/tensorboard), DeepSpeed checkpoints
 (OUTPUT_DIR/checkpoints, with the model config and tokenizer that `python -m helpers.export` needs)
@@ -43,12 +43,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--n-samples", type=int, default=2048, help="training sequences (synthetic Markov text)")
     p.add_argument("--eval-samples", type=int, default=256, help="held-out sequences for the final eval loss")
-    p.add_argument("--output-dir", default=None, help="default: runs/train/<config name>")
+    p.add_argument("--output-dir", default=None, help="default: --out if given, else runs/train/<config name>")
     p.add_argument("--resume-from", default=None, help="a checkpoints directory written by an earlier run")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every K steps (0: only at the end)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write each rank's result as OUT/rank<N>.json "
-                                               "(what helpers.launch.launch reads)")
+                                               "(what helpers.launch.run_program reads)")
     # The deepspeed launcher passes --local_rank unless told --no_local_rank; LOCAL_RANK is in the
     # environment either way, so it is accepted and ignored.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -58,6 +58,14 @@ def parse(argv=None) -> argparse.Namespace:
     if a.save_every < 0:
         p.error(f"--save-every={a.save_every} must be >= 0 (0: checkpoint only at the end)")
     return a
+
+
+def check_options(a: argparse.Namespace, world_size: int) -> None:
+    """Before any rank starts (helpers.launch.run_program): the config file must exist. A relative path
+    may start at the repository root, where the launcher runs the ranks."""
+    from helpers.launch import REPO_ROOT
+    if not (Path(a.config).is_file() or (REPO_ROOT / a.config).is_file()):
+        raise ConfigError(f"config file {a.config} not found (relative paths may start at the repository root)")
 
 
 def precision_of(config: dict) -> str:
@@ -90,7 +98,7 @@ def trainer_arguments(config: dict, world_size: int) -> dict:
 def _check_runnable(config: dict) -> None:
     if "pipeline" in config:
         raise ConfigError("'pipeline' config: pipeline parallelism needs a deepspeed.pipe.PipelineModule, and "
-                          "helpers.train trains a GPT2LMHeadModel; use the file with a PipelineModule "
+                          "this script trains a GPT2LMHeadModel; use the file with a PipelineModule "
                           "(see notebook 06), or a configs/zero*.json here")
     opt_type = config.get("optimizer", {}).get("type")
     if str(opt_type).lower() != "adamw":
@@ -144,7 +152,7 @@ def train(a: argparse.Namespace) -> dict:
     config = load_json(a.config)
     arguments = trainer_arguments(config, world_size())   # refuse a bad file before building anything
     steps = run_length(config, a.steps)
-    output_dir = Path(a.output_dir) if a.output_dir else run_dir(f"train/{Path(a.config).stem}")
+    output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
     data = SyntheticTextDataset("markov", n_samples=a.n_samples, seq_len=a.seq_len, seed=a.seed)
     held_out = SyntheticTextDataset("markov", n_samples=a.eval_samples, seq_len=a.seq_len, seed=a.seed + 1,
                                     tokenizer=data.tokenizer)
@@ -198,24 +206,3 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
-
-
-# ---- the notebook's side: run the script on N ranks and get every rank's result back ----
-
-def run_script(config: str | Path, n_ranks: int = 2, launcher: str = "torchrun", out_dir: str | Path | None = None,
-               timeout: float = 600, **options) -> list[dict]:
-    """Run `helpers.train --config CONFIG` on n_ranks under torchrun or the deepspeed launcher;
-    return each rank's result (history, eval loss, checkpoint and TensorBoard paths), ordered by rank.
-
-    options become flags: steps=20 -> --steps=20. Everything (metrics.json, checkpoints/, tensorboard/,
-    logs/) is written under out_dir, by default runs/train/<config name>-<launcher>-<n_ranks>ranks.
-    """
-    from helpers.launch import REPO_ROOT, flags, launch
-    from helpers.runtime import run_dir
-    # "configs/zero2.json" means the repository's file wherever the notebook runs from
-    path = next((p.resolve() for p in (Path(config), REPO_ROOT / config) if p.is_file()), None)
-    if path is None:
-        raise ConfigError(f"config file {config} not found (relative paths may start at the repository root)")
-    out = Path(out_dir) if out_dir is not None else run_dir(f"train/{path.stem}-{launcher}-{n_ranks}ranks")
-    return launch(__name__, n_ranks, ["--config", str(path), "--output-dir", str(out.resolve()), *flags(options)],
-                  out_dir=out, timeout=timeout, launcher=launcher)
