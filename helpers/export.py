@@ -109,14 +109,21 @@ def max_logit_difference(hf_dir: str | Path, engine, input_ids: torch.Tensor) ->
     return (ours - theirs).abs().max().item()
 
 
-def generate_text(hf_dir: str | Path, prompt: str, max_new_tokens: int = 20) -> str:
-    """Greedy continuation of `prompt` by a HF `text-generation` pipeline over the exported directory."""
+def generate_text(hf_dir: str | Path, prompt: str, max_new_tokens: int = 20, seed: int = 0,
+                  greedy: bool = False) -> str:
+    """A continuation of `prompt` by a HF `text-generation` pipeline over the exported directory: sampled
+    (temperature 1, no top-k: the model's own distribution, as helpers.model.generate), or greedy. Greedy
+    text is not what the model learned: the most likely next word, again and again, walks into a loop
+    (notebook 03 shows one) that sampling from the same distributions rarely stays in."""
     from transformers import pipeline
     with _quiet_transformers():
         generator = pipeline("text-generation", model=str(hf_dir), tokenizer=str(hf_dir))
+    pad = generator.tokenizer.pad_token_id
+    torch.manual_seed(seed)
     # The pipeline returns prompt + decode(new tokens). Our word-level tokenizer decodes the first new
     # word without a leading space, so "a b" + "c d" would fuse into "a bc d": end the prompt with one.
-    return generator(prompt.rstrip() + " ", max_new_tokens=max_new_tokens, do_sample=False)[0]["generated_text"]
+    return generator(prompt.rstrip() + " ", max_new_tokens=max_new_tokens, do_sample=not greedy, top_k=0,
+                     pad_token_id=pad, suppress_tokens=[pad])[0]["generated_text"]
 
 
 def in_colab() -> bool:

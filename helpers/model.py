@@ -56,7 +56,9 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, seed: int 
     device = next(model.parameters()).device
     enc = tokenizer(prompt, return_tensors="pt")
     torch.manual_seed(seed)
+    # suppress_tokens: padding is not text. (An untrained model samples it, and the next forward then
+    # looks padded to transformers, which warns.)
     out = model.generate(enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
                          max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                         top_k=0, pad_token_id=tokenizer.pad_token_id)
+                         top_k=0, pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id])
     return tokenizer.decode(out[0], skip_special_tokens=True)

@@ -129,7 +129,9 @@ def hf_trainer(config_path: str | Path, model, data, output_dir: str | Path, sto
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = stop_after is not None and state.global_step >= stop_after
 
-    return Trainer(model=model, args=training_arguments(config_path, output_dir, **overrides), train_dataset=data,
+    # disable_tqdm: HF's notebook progress bar is an HTML display a saved notebook keeps at its first frame.
+    args = training_arguments(config_path, output_dir, **{"disable_tqdm": True, **overrides})
+    return Trainer(model=model, args=args, train_dataset=data,
                    data_collator=DataCollatorForLanguageModeling(data.tokenizer, mlm=False), callbacks=[StopAfter()])
 
 

@@ -3,6 +3,7 @@ notebook needs."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import platform
 import random
@@ -33,7 +34,10 @@ class Runtime:
 
 
 def detect() -> Runtime:
-    """Inspect this machine once: device, memory and the precision the tutorial will use."""
+    """Inspect this machine once: device, memory and the precision the tutorial will use.
+
+    Without a GPU it also sets DS_ACCELERATOR=cpu (unless set): the accelerator DeepSpeed would pick
+    anyway, said up front, so its timestamped "unable to detect" warning stays out of the notebooks."""
     forced = forced_precision("cuda" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -43,6 +47,7 @@ def detect() -> Runtime:
             precision, reason = forced, f"forced by {PRECISION_ENV}={forced} (the rule says {precision}: {reason})"
         return Runtime("cuda", props.name, cap, props.total_memory / 2**30, precision, reason)
     import psutil
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     flags = cpu_flags()
     speeds = cpu_matmul_speeds() if set(CPU_BF16_FLAGS) & flags else None
     precision, reason = choose_precision(None, flags, speeds)
@@ -77,7 +82,8 @@ def init_single_process() -> dict[str, str]:
         with silenced_stderr():   # DeepSpeed probes every op once here; the libaio link test's error is noise
             import deepspeed.ops
             deepspeed.ops.__compatible_ops__
-        deepspeed.init_distributed(verbose=False)
+        with contextlib.redirect_stdout(io.StringIO()):   # its CPU backend prints "... built successfully" every time
+            deepspeed.init_distributed(verbose=False)
     else:   # the group exists; deepspeed.initialize still reads these three from the environment
         for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
                            ("WORLD_SIZE", dist.get_world_size())):

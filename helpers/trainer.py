@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -166,12 +167,15 @@ class AdvancedDeepSpeedTrainer:
         return self.config["zero_optimization"]["stage"] == 0 and self.precision == "fp32"
 
     def train(self, steps: int, progress: bool = True) -> list[dict]:
-        """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard."""
-        from tqdm.auto import tqdm
+        """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard.
+
+        The progress bar is tqdm's text bar on stdout, not its notebook widget: a saved notebook keeps a
+        widget's first frame ("0%") but a text stream's last one (the finished bar)."""
+        from tqdm import tqdm
         self.engine.train()
         new = []
         bar = tqdm(range(steps), desc=f"{self.name} (ZeRO {self.config['zero_optimization']['stage']})",
-                   disable=not progress)
+                   disable=not progress, file=sys.stdout, mininterval=1.0)
         try:
             for _ in bar:
                 metrics = self.train_step()

@@ -62,7 +62,7 @@ def test_pipeline_generates_what_the_engine_generates(data, exported, stage):
         ids = trainer.tokenizer(prompt, return_tensors="pt")["input_ids"]
         greedy = trainer.engine.module.generate(ids, max_new_tokens=8, do_sample=False,
                                                 pad_token_id=trainer.tokenizer.pad_token_id)
-    text = export.generate_text(hf_dir, prompt, max_new_tokens=8)
+    text = export.generate_text(hf_dir, prompt, max_new_tokens=8, greedy=True)
     assert text == trainer.tokenizer.decode(greedy[0], skip_special_tokens=True)
     assert len(text.split()) == 4 + 8   # word-level tokenizer: one token per word
 

@@ -121,6 +121,15 @@ class Explorer(widgets.VBox):
     def settings(self) -> dict:
         return {name: control.value for name, control in self.controls.items()}
 
+    def __repr__(self) -> str:
+        """The plain-text form a saved notebook shows where no live kernel draws the widget: the
+        settings and the verdict, not the widget tree."""
+        try:
+            text = verdict(planner.estimate(**self.settings))
+        except ValueError as error:
+            text = f"✗ {error}"
+        return f"Memory explorer ({', '.join(f'{k}={v!r}' for k, v in self.settings.items())}):\n{text}"
+
     def _changed(self, change) -> None:
         self.refresh()
 

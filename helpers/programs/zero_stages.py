@@ -15,7 +15,7 @@ import torch
 from helpers import comms
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
-from helpers.memory.measured import measure_held, measurement_zero_extra, zero2_overhang_bytes
+from helpers.memory.measured import measure_held, measurement_zero_extra, split_by_side, zero2_overhang_bytes
 from helpers.metrics import memory_mib
 from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.trainer import AdvancedDeepSpeedTrainer
@@ -34,6 +34,8 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paper-comm", action="store_true",
                    help="configure ZeRO-2/3 communication as the paper describes it (see notebook 04)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO-Offload: optimizer state and its step on the host (stages 1-3; notebook 05)")
     return p.parse_args(argv)
 
 
@@ -57,11 +59,12 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
     trainer = AdvancedDeepSpeedTrainer(
         data, model_size=a.model_size, zero_stage=stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
         lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, seed=a.seed, output_dir=f"{a.out}/stage{stage}",
-        zero_extra=extra)
+        offload_optimizer=a.offload_optimizer, zero_extra=extra)
     if trainer.runtime.is_gpu:
         torch.cuda.reset_peak_memory_stats()
     trainer.train(1, progress=False)             # warm-up: buffers allocated, optimizer state created
     held = measure_held(trainer)          # model states while gradients accumulate (one step)
+    sides = split_by_side(trainer.engine)   # what lives on the accelerator side and on the host side
     comms.start_logging()
     trainer.train(1, progress=False)             # one step's collectives, logged
     logged = comms.stop_logging()
@@ -71,7 +74,7 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
         "stage": stage, "world_size": world, "n_params": n_params, "precision": trainer.precision,
         "device": str(trainer.engine.device), "backend": torch.distributed.get_backend(),
         "zero_config": trainer.config["zero_optimization"],
-        "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(trainer.engine),
+        "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(trainer.engine), **sides,
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
         "peak_memory_mib": memory_mib("cuda") if trainer.runtime.is_gpu else None,
         "step_s": [m["step_s"] for m in history], "losses": [m["loss"] for m in trainer.history],
