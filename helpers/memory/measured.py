@@ -80,7 +80,8 @@ def held_bytes(engine) -> dict:
     """Bytes of model states (and communication buffers) this rank holds now, by component.
 
     Where DeepSpeed 0.19 keeps them (attributes of `engine.optimizer`, or of the model's params):
-    params: the module's params (stages 0-2: views of `bit16_groups_flat`); stage 3: `param.ds_tensor`.
+    params: the module's params (stages 0-2: views of `bit16_groups_flat`); stage 3: `param.ds_tensor`;
+      with ZeRO-1/2 offload also the host copy of this rank's partition the CPU step writes into.
     grads: `param.grad`/`grad_accum` (stage 0, and stage 1 until the accumulation boundary); stage 2
       partitions `averaged_gradients`, `all_grad_tensors`, `grads_in_partition` (with whole boundary
       params: see `zero2_overhang_bytes`); stage 3 `grad_partitions_flat_buffer`.
@@ -97,7 +98,8 @@ def held_bytes(engine) -> dict:
     def count(*objs):
         return storage_bytes(tensors_in(objs), seen)
 
-    return {"params": count(model, [getattr(p, "ds_tensor", None) for p in model]),
+    return {"params": count(model, [getattr(p, "ds_tensor", None) for p in model],
+                            getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)),   # offload: host copy
             "grads": count([p.grad for p in model + masters], [getattr(p, "grad_accum", None) for p in model],
                            [getattr(opt, name, None) for name in GRAD_ATTRS]),
             "optimizer": count(masters, list(_inner(opt).state.values())),
@@ -148,7 +150,10 @@ def host_side_tensors(engine) -> list:
         host += [masters, [p.grad for p in masters], list(_inner(opt).state.values()),
                  # gradients land on the offload device: ZeRO-3's flat partition buffer, ZeRO-1/2's
                  # accumulation copies (both allocated on `opt.device`, the CPU, when offloading)
-                 getattr(opt, "grad_partitions_flat_buffer", None), getattr(opt, "accumulated_grads_in_cpu", None)]
+                 getattr(opt, "grad_partitions_flat_buffer", None), getattr(opt, "accumulated_grads_in_cpu", None),
+                 # ZeRO-1/2: a copy of this rank's partition in the training dtype, where the CPU step's
+                 # result waits to be copied back (stage_1_and_2.py: param_buffer_of_bit16_for_cpu_offload)
+                 getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)]
     if engine.zero_offload_param():   # ZeRO-3: each parameter's own partition
         host.append([getattr(p, "ds_tensor", None) for p in engine.module.parameters()])
     return list(tensors_in(host))

@@ -44,7 +44,11 @@ def model_state_bytes(n_params: float, n_gpus: int, stage: int, offload: str = "
     Stage 3 also needs room to gather one layer's 16-bit params and grads: 4 bytes x largest layer.
     Offloading the optimizer moves fp32 master + Adam state and the fp32 gradients to host RAM (the
     GPU streams its gradients out through buckets, which DeepSpeed's estimator, like us, leaves out);
-    offloading params leaves only the gathered layer on the GPU.
+    at stages 1-2 the host also keeps the partition in the training dtype, where the CPU step's result
+    waits to be copied back (measured in notebook 05; DeepSpeed's estimator leaves it out and instead
+    counts max(4 x all GPUs, 16) bytes per parameter per node, which no tensor backs: notebook 05
+    measures a node's host bytes flat in the number of GPUs). Offloading params leaves only the
+    gathered layer on the GPU.
     """
     if offload not in OFFLOADS or stage not in OFFLOADS[offload]:
         raise ValueError(f"offload={offload!r} is not possible at ZeRO stage {stage}")
@@ -59,6 +63,8 @@ def model_state_bytes(n_params: float, n_gpus: int, stage: int, offload: str = "
     if offload == "none":
         return {"gpu": states["total"] + extra + working_set, "cpu": 0.0}
     on_host = (k + FP32_GRAD_COPY) * n_params   # all ranks' partitions together
+    if stage in (1, 2):   # + the training-dtype copy of the partition the CPU step writes into (measured, notebook 05)
+        on_host += p * n_params
     if offload == "optimizer":
         # Stage 1 still holds its full 16-bit gradients until the accumulation boundary.
         gpu = states["params"] + (states["grads"] if stage == 1 else 0.0) + working_set
