@@ -175,12 +175,13 @@ class AdvancedDeepSpeedTrainer:
         self.engine.train()
         new = []
         bar = tqdm(range(steps), desc=f"{self.name} (ZeRO {self.config['zero_optimization']['stage']})",
-                   disable=not progress, file=sys.stdout, mininterval=1.0)
+                   disable=not progress, file=sys.stdout, mininterval=2.0)
         try:
             for _ in bar:
                 metrics = self.train_step()
                 new.append(metrics)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                # refresh=False: the bar redraws every mininterval, not every step (each redraw is saved)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
                 if len(new) % self.LOG_EVERY == 0:
                     self._log(new[-self.LOG_EVERY:])
         finally:   # every step's metrics reach TensorBoard, also when a step fails

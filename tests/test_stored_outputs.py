@@ -16,15 +16,19 @@ OBJECT_REPR = re.compile(r"<IPython\.core\.display\.\w+ object>|\w+\(children=\(
 
 
 def stored_texts(path: Path):
-    """(cell index, "stdout" | "stderr" | "data", text) for every stored output."""
+    """(cell index, "stdout" | "stderr" | "data" | "error", text) for every stored output; a cell's
+    stream messages joined per stream, as Jupyter shows them (one redraw of a bar per message)."""
     for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        streams = {}
         for output in cell.get("outputs", []):
             if output.output_type == "stream":
-                yield index, output.name, output.text
+                streams[output.name] = streams.get(output.name, "") + output.text
             elif output.output_type in ("execute_result", "display_data"):
                 yield index, "data", str(output.data.get("text/plain", ""))
             elif output.output_type == "error":
                 yield index, "error", f"{output.ename}: {output.evalue}"
+        for name, text in streams.items():
+            yield index, name, text
 
 
 def last_frames(text: str) -> list[str]:
