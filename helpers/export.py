@@ -122,8 +122,9 @@ def generate_text(hf_dir: str | Path, prompt: str, max_new_tokens: int = 20, see
     torch.manual_seed(seed)
     # The pipeline returns prompt + decode(new tokens). Our word-level tokenizer decodes the first new
     # word without a leading space, so "a b" + "c d" would fuse into "a bc d": end the prompt with one.
-    return generator(prompt.rstrip() + " ", max_new_tokens=max_new_tokens, do_sample=not greedy, top_k=0,
-                     pad_token_id=pad, suppress_tokens=[pad])[0]["generated_text"]
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "top_k": 0}   # top_k only when sampling
+    return generator(prompt.rstrip() + " ", max_new_tokens=max_new_tokens, pad_token_id=pad, suppress_tokens=[pad],
+                     **sampling)[0]["generated_text"]
 
 
 def in_colab() -> bool:
