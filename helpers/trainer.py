@@ -169,19 +169,23 @@ class AdvancedDeepSpeedTrainer:
     def train(self, steps: int, progress: bool = True) -> list[dict]:
         """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard.
 
-        The progress bar is tqdm's text bar on stdout, not its notebook widget: a saved notebook keeps a
-        widget's first frame ("0%") but a text stream's last one (the finished bar)."""
+        Progress: tqdm's bar in a terminal; elsewhere (a notebook, a log file) one line at each quarter of
+        the run, because a saved notebook keeps every redraw of a bar, beginning with its 0% frame."""
         from tqdm import tqdm
         self.engine.train()
         new = []
-        bar = tqdm(range(steps), desc=f"{self.name} (ZeRO {self.config['zero_optimization']['stage']})",
-                   disable=not progress, file=sys.stdout, mininterval=2.0)
+        label = f"{self.name} (ZeRO {self.config['zero_optimization']['stage']})"
+        in_terminal = sys.stdout.isatty()
+        bar = tqdm(range(steps), desc=label, disable=not (progress and in_terminal))
+        quarters = {math.ceil(steps * q / 4) for q in (1, 2, 3, 4)} if progress and not in_terminal else set()
         try:
             for _ in bar:
                 metrics = self.train_step()
                 new.append(metrics)
-                # refresh=False: the bar redraws every mininterval, not every step (each redraw is saved)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                if len(new) in quarters:
+                    print(f"{label}: step {len(new)}/{steps}, loss {metrics['loss']:.3f}, "
+                          f"{metrics['tokens_per_s']:,.0f} tokens/s", flush=True)
                 if len(new) % self.LOG_EVERY == 0:
                     self._log(new[-self.LOG_EVERY:])
         finally:   # every step's metrics reach TensorBoard, also when a step fails
