@@ -74,7 +74,7 @@ def model_state_bytes(n_params: float, n_gpus: int, stage: int, offload: str = "
 
 def _preference(row: dict) -> tuple:
     """Fastest first: offload is the slowest trick (every step crosses PCIe), then checkpointing
-    (up to 1/3 more compute), then higher ZeRO stages (more communication); the largest micro-batch first
+    (one more forward of every block), then higher ZeRO stages (more communication); the largest micro-batch first
     (better GPU utilisation; reach the global batch with gradient accumulation)."""
     return (list(OFFLOADS).index(row["offload"]), row["checkpointing"], row["stage"], -row["micro_batch"])
 
@@ -267,7 +267,7 @@ def notes(gpu: str, world_size: int, stage: int, offload: str, precision: str, c
         out.append(f"Offload needs {host_gb_per_node:.1f} GB of host RAM per node and moves gradients "
                    f"{'and weights ' if offload == 'optimizer+params' else ''}over PCIe every step: slower steps.")
     if checkpointing:
-        out.append("Checkpointing recomputes each layer's forward pass during backward: up to 1/3 more compute.")
+        out.append("Checkpointing recomputes each layer's forward pass during backward: one more forward per step.")
     if precision == "fp32" and GPUS[gpu]["bf16"]:
         out.append(f"The {gpu} has bf16: it halves parameter and activation bytes and runs on tensor cores.")
     return out
