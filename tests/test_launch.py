@@ -87,3 +87,28 @@ def test_bad_inputs_fail_before_anything_starts(tmp_path, kwargs, problem):
 def test_deepspeed_launcher_works_on_cpu(tmp_path):
     results = launch(ECHO, 2, out_dir=tmp_path, timeout=120, launcher="deepspeed")
     assert [(r["rank"], r["sum"]) for r in results] == [(0, 3), (1, 3)]
+
+
+# ---- the programs' side: options -> flags, and showing a program ----
+
+def test_options_become_the_programs_flags():
+    from helpers.launch import flags
+    assert flags({"steps": 8, "micro_batches": (1, 2), "skip_dense": True, "paper_comm": False, "seed": None,
+                  "config": "configs/zero2.json"}) == ["--steps=8", "--micro-batches", "1", "2", "--skip-dense",
+                                                       "--config=configs/zero2.json"]
+
+
+def test_show_prints_the_named_functions_of_a_program(capsys):
+    from helpers.launch import show
+    show("zero_stages", "zero_extra")
+    printed = capsys.readouterr().out
+    assert printed.startswith("# helpers/programs/zero_stages.py: zero_extra\ndef zero_extra(")
+    assert "def run_stage(" not in printed
+
+
+@pytest.mark.parametrize("args, message", [(("no_such_program",), "no program 'no_such_program'"),
+                                           (("zero_stages", "no_such_function"), "defines no \\['no_such_function'\\]")])
+def test_show_names_what_does_not_exist(args, message):
+    from helpers.launch import show
+    with pytest.raises((FileNotFoundError, ValueError), match=message):
+        show(*args)
