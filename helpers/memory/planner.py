@@ -1,14 +1,15 @@
 """What fits on a GPU: the bytes each GPU needs for a ZeRO stage, CPU offload, activation checkpointing
 and micro-batch (model states by the ZeRO formula as DeepSpeed counts them + activations + a fixed
-overhead), DeepSpeed's own estimators beside it, and the explorer's checks and DeepSpeed config.
+overhead), and the explorer's checks and DeepSpeed config. Notebooks 04-05 set it beside DeepSpeed's own
+estimators (estimate_zero2/3_model_states_mem_needs), which they call in their cells.
 
 A planning aid, not a promise: it leaves out DeepSpeed's communication buckets and allocator
 fragmentation beyond OVERHEAD_GB. Everything is plain functions, so the widget stays a thin layer.
 """
 from __future__ import annotations
 
-from .. import config as ds_config
-from .formulas import ELEMENT_BYTES, GB, activation_bytes, bytes_per_param, gpt2_sizes, models, zero_model_states
+from ..config import PRECISIONS, ZERO_STAGES, build_config, require_positive_int, validate
+from .formulas import ELEMENT_BYTES, GB, activation_bytes, bytes_per_param, models, zero_model_states
 
 # Fixed bytes a GPU loses before the first tensor, in GB: the CUDA context (~0.3-0.5 GB with lazy
 # module loading), cuBLAS/NCCL workspaces, and allocator fragmentation. 1 GB is a round, cautious figure.
@@ -38,17 +39,13 @@ def model_state_bytes(n_params: float, n_gpus: int, stage: int, offload: str = "
                       counting: str = "deepspeed") -> dict:
     """{"gpu", "cpu"} bytes of model states: GPU per rank, CPU for the whole node (all n_gpus ranks).
 
-    counting="paper": ZeRO paper bytes (formulas.bytes_per_param). counting="deepspeed": as
-    DeepSpeed 0.19's estimators count, which also hold the transient fp32 copy of the gradient
-    partition (4 bytes/param/N at stages 0-2; its stage-3 estimator adds 2, not 4: 18/N vs 16/N).
-    Stage 3 also needs room to gather one layer's 16-bit params and grads: 4 bytes x largest layer.
-    Offloading the optimizer moves fp32 master + Adam state and the fp32 gradients to host RAM (the
-    GPU streams its gradients out through buckets, which DeepSpeed's estimator, like us, leaves out);
-    at stages 1-2 the host also keeps the partition in the training dtype, where the CPU step's result
-    waits to be copied back (measured in notebook 05; DeepSpeed's estimator leaves it out and instead
-    counts max(4 x all GPUs, 16) bytes per parameter per node, which no tensor backs: notebook 05
-    measures a node's host bytes flat in the number of GPUs). Offloading params leaves only the
-    gathered layer on the GPU.
+    counting="paper": ZeRO paper bytes (formulas.bytes_per_param); "deepspeed": as DeepSpeed 0.19's
+    estimators count, with the transient fp32 copy of the gradient partition (4 bytes/param/N at stages
+    0-2, 2 at stage 3). Stage 3 also needs room to gather one layer: 4 bytes x the largest layer.
+    Offloading the optimizer moves fp32 master, Adam state and fp32 gradients to host RAM; at stages 1-2
+    the host also keeps the partition in the training dtype for the CPU step's result (measured in notebook
+    05, where a node's host bytes stay flat in its GPU count, unlike the estimator's max(4 x GPUs, 16)
+    bytes per parameter). Offloading params leaves only the gathered layer on the GPU.
     """
     if offload not in OFFLOADS or stage not in OFFLOADS[offload]:
         raise ValueError(f"offload={offload!r} is not possible at ZeRO stage {stage}")
@@ -116,76 +113,6 @@ def row_for(rows: list[dict], stage: int, offload: str = "none", checkpointing: 
                 == (stage, offload, checkpointing, micro_batch))
 
 
-def gpt2_examples(gpus=("T4", "A100 80GB")) -> dict:
-    """GPT-2 1.5B (seq 1024) on one GPU of each kind, in bf16 where it has bf16, else fp16 (same
-    bytes): the best plan, and whether plain ZeRO 0 with micro-batch 1 fits."""
-    out = {}
-    for gpu in gpus:
-        rows = plan("GPT-2 1.5B", GPUS[gpu]["memory_gb"], precision="bf16" if GPUS[gpu]["bf16"] else "fp16")
-        out[gpu] = {"plain_stage0_mb1": row_for(rows, 0), "best": next((r for r in rows if r["fits"]), None)}
-    return out
-
-
-def deepspeed_estimate(n_params: int, n_ranks: int, stage: int, largest_layer_params: int = 0,
-                       offload: str = "none", buffer_factor: float = 1.5) -> dict:
-    """DeepSpeed's own model-state estimate per GPU, and host RAM per node, on one node of n_ranks GPUs.
-
-    Only stages 2 and 3 have an estimator (deepspeed/runtime/zero/, 0.19.8). Without offload they count
-    more than the paper: ZeRO-2 2 + 18/N bytes per param where the paper says 2 + 14/N (the extra 4 is
-    real but brief: `DeepSpeedZeroOptimizer.step` upcasts this rank's gradient partition to an fp32 copy
-    before freeing the 16-bit one); ZeRO-3 18/N plus 4 bytes per param of the largest layer (room to
-    gather one layer's 16-bit params and grads) where the paper says 16/N. Both assume fp16/bf16. Without
-    offload the host figure is RAM for loading the model, not model states; DeepSpeed multiplies host
-    bytes by a safety margin, `buffer_factor` (its additional_buffer_factor).
-    """
-    if stage == 2 and offload in ("none", "optimizer"):
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-        cpu, gpu = estimate_zero2_model_states_mem_needs(n_params, n_ranks, 1, cpu_offload=offload != "none",
-                                                         additional_buffer_factor=buffer_factor)
-    elif stage == 3 and offload in OFFLOADS:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            n_params, largest_layer_params, n_ranks, 1, cpu_offload=offload != "none",
-            cpu_offload_params=offload == "optimizer+params", additional_buffer_factor=buffer_factor)
-    else:
-        raise ValueError(f"DeepSpeed has estimators for ZeRO stages 2 and 3 only, not stage {stage} "
-                         f"with offload={offload!r}")
-    return {"gpu_bytes": gpu, "cpu_bytes": cpu}
-
-
-def estimator_rows(n_params: int, largest_layer_params: int, n_gpus: int = 1) -> list[dict]:
-    """`model_state_bytes` (bf16, DeepSpeed counting) beside DeepSpeed's estimators for every (stage,
-    offload) they cover; DeepSpeed's host safety margin set to 1 to compare the counts themselves."""
-    rows = []
-    for stage, offload in ((2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")):
-        theirs = deepspeed_estimate(n_params, n_gpus, stage, largest_layer_params, offload, buffer_factor=1.0)
-        ours = model_state_bytes(n_params, n_gpus, stage, offload, "bf16", largest_layer_params)
-        rows.append({"stage": stage, "offload": offload, "GPU GB (ours)": ours["gpu"] / GB,
-                     "GPU GB (DeepSpeed)": theirs["gpu_bytes"] / GB, "host GB (ours)": ours["cpu"] / GB,
-                     "host GB (DeepSpeed)": theirs["cpu_bytes"] / GB})
-    return rows
-
-
-def gpt2_table(n_ranks_list=(1, 8, 64)) -> list[dict]:
-    """GB per device for GPT-2 sizes (bf16 + Adam, paper formula) beside DeepSpeed's estimators."""
-    rows = []
-    for size in gpt2_sizes():
-        for n in n_ranks_list:
-            row = {"model": size["name"], "params (M)": round(size["params"] / 1e6), "GPUs": n}
-            for stage in (0, 1, 2, 3):
-                row[f"stage {stage} GB"] = round(zero_model_states(size["params"], n, stage)["total"] / GB, 2)
-            for stage in (2, 3):
-                est = deepspeed_estimate(size["params"], n, stage, size["largest_layer_params"])
-                row[f"DeepSpeed est. stage {stage} GB"] = round(est["gpu_bytes"] / GB, 2)
-            rows.append(row)
-    return rows
-
-
-def _whole_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a whole number >= 1")
-
-
 def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, offload: str, precision: str,
           micro_batch: int, grad_accum: int, checkpointing: bool, seq_len: int | None) -> int:
     """Raise ValueError naming the field (and the fix) for any choice DeepSpeed or the hardware would
@@ -197,8 +124,8 @@ def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, 
                          "helpers.memory.planner.GPUS with its memory and bf16 support")
     for name, value in (("n_gpus_per_node", n_gpus_per_node), ("n_nodes", n_nodes),
                         ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
-        _whole_number(name, value)
-    if isinstance(stage, bool) or stage not in ds_config.ZERO_STAGES:
+        require_positive_int(name, value)
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise ValueError(f"stage={stage!r} is not a ZeRO stage: use 0, 1, 2 or 3")
     if offload not in OFFLOADS:
         raise ValueError(f"offload={offload!r} is not one of {tuple(OFFLOADS)} "
@@ -209,8 +136,8 @@ def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, 
                              "offload_optimizer moves the optimizer partition, and stage 0 partitions nothing")
         raise ValueError(f"offload='optimizer+params' needs ZeRO stage 3 (stage is {stage}): only stage 3 "
                          "partitions the parameters that offload_param moves; use stage=3 or offload='optimizer'")
-    if precision not in ds_config.PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {ds_config.PRECISIONS}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
     if precision == "bf16" and not GPUS[gpu]["bf16"]:
         raise ValueError(f"precision='bf16' on the {gpu}: {GPUS[gpu]['arch']} GPUs have no bf16 tensor cores "
                          "(they arrived with Ampere); use precision='fp16' (the same memory) or a newer GPU")
@@ -219,7 +146,7 @@ def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, 
     context = models()[model]["context"]
     if seq_len is None:
         return context
-    _whole_number("seq_len", seq_len)
+    require_positive_int("seq_len", seq_len)
     if seq_len > context:
         raise ValueError(f"seq_len={seq_len} is longer than the {model}'s context of {context} tokens: "
                          f"use seq_len <= {context}")
@@ -286,7 +213,7 @@ def config_for(model: str = "GPT-2 1.5B", gpu: str = "T4", n_gpus_per_node: int 
     check(model, gpu, n_gpus_per_node, n_nodes, stage, offload, precision, micro_batch, grad_accum,
           checkpointing, seq_len)
     world = n_gpus_per_node * n_nodes
-    config = ds_config.build_config(micro_batch=micro_batch, grad_accum=grad_accum, world_size=world,
-                                    zero_stage=stage, precision=precision, offload_optimizer=offload != "none",
-                                    offload_param=offload == "optimizer+params")
-    return ds_config.validate(config, device="cuda", world_size=world)
+    config = build_config(micro_batch=micro_batch, grad_accum=grad_accum, world_size=world, zero_stage=stage,
+                          precision=precision, offload_optimizer=offload != "none",
+                          offload_param=offload == "optimizer+params")
+    return validate(config, device="cuda", world_size=world)
