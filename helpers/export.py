@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import shlex
-import sys
 from pathlib import Path
 
 import torch
@@ -41,7 +39,7 @@ def fp32_state_dict(checkpoint_dir: str | Path, tag: str | None = None) -> dict[
     newest = max(model_files, key=lambda p: p.stat().st_mtime_ns)
     state = torch.load(newest, map_location="cpu", weights_only=False)
     if state["ds_config"].get("zero_optimization", {}).get("stage", 0) > 0:
-        with _silenced():   # zero_to_fp32 prints progress lines and a tqdm bar
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):   # progress lines, a tqdm bar
             return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     return {name: t.float() if t.is_floating_point() else t for name, t in state["module"].items()}
 
@@ -109,39 +107,16 @@ def max_logit_difference(hf_dir: str | Path, engine, input_ids: torch.Tensor) ->
     return (ours - theirs).abs().max().item()
 
 
-def generate_text(hf_dir: str | Path, prompt: str, max_new_tokens: int = 20, seed: int = 0,
-                  greedy: bool = False) -> str:
-    """A continuation of `prompt` by a HF `text-generation` pipeline over the exported directory: sampled
-    (temperature 1, no top-k: the model's own distribution, as helpers.model.generate), or greedy. Greedy
-    text is not what the model learned: the most likely next word, again and again, walks into a loop
-    (notebook 03 shows one) that sampling from the same distributions rarely stays in."""
-    from transformers import pipeline
-    with _quiet_transformers():
-        generator = pipeline("text-generation", model=str(hf_dir), tokenizer=str(hf_dir))
-    pad = generator.tokenizer.pad_token_id
-    torch.manual_seed(seed)
-    # The pipeline returns prompt + decode(new tokens). Our word-level tokenizer decodes the first new
-    # word without a leading space, so "a b" + "c d" would fuse into "a bc d": end the prompt with one.
-    sampling = {"do_sample": False} if greedy else {"do_sample": True, "top_k": 0}   # top_k only when sampling
-    return generator(prompt.rstrip() + " ", max_new_tokens=max_new_tokens, pad_token_id=pad, suppress_tokens=[pad],
-                     **sampling)[0]["generated_text"]
-
-
-def in_colab() -> bool:
-    return "google.colab" in sys.modules
-
-
-def tensorboard_hint(logdir: str | Path) -> str:
-    """Show TensorBoard for `logdir`: in Colab inline (the %tensorboard magic); elsewhere nothing
-    is started. Returns the shell command that opens the same logs anywhere."""
-    command = f"tensorboard --logdir {shlex.quote(str(logdir))}"
-    if in_colab():
-        from IPython import get_ipython
-        shell = get_ipython()
-        if shell is not None:   # a script run in Colab has no notebook to draw in
-            shell.run_line_magic("load_ext", "tensorboard")
-            shell.run_line_magic("tensorboard", f"--logdir {shlex.quote(str(logdir))}")
-    return command
+def read_tensorboard(logdir: str | Path) -> dict[str, tuple[list[int], list[float]]]:
+    """Every scalar in the event files under `logdir`: {tag: (steps, values)}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    logdir = Path(logdir)
+    if not any(logdir.rglob("events.out.tfevents.*")):
+        raise FileNotFoundError(f"no TensorBoard event files under {logdir}: was the tensorboard monitor enabled?")
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})  # 0 = keep every point
+    acc.Reload()
+    return {tag: ([e.step for e in acc.Scalars(tag)], [e.value for e in acc.Scalars(tag)])
+            for tag in acc.Tags()["scalars"]}
 
 
 @contextlib.contextmanager
@@ -155,12 +130,6 @@ def _quiet_transformers():
     finally:
         if was_enabled:
             logging.enable_progress_bar()
-
-
-@contextlib.contextmanager
-def _silenced():
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
 
 
 def main(argv=None) -> None:

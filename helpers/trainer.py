@@ -9,14 +9,15 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import set_seed
 
-from . import checkpoints, config as ds_config
+from . import checkpoints
 from .checkpoints import CheckpointCorruptError, CheckpointNotFoundError, find_checkpoint   # noqa: F401 (public here too)
 from .batches import ResumableBatches
-from .metrics import memory_mib
+from .config import build_config, validate
+from .memory.measured import peak_memory
 from .model import MODEL_SIZES, auto_model_size, build_model, enable_checkpointing, generate
-from .runtime import (detect, init_single_process, process_rank, quiet_deepspeed, run_dir, seed_everything,
-                      world_size)
+from .runtime import detect, init_single_process, process_rank, quiet_deepspeed, run_dir, world_size
 
 def one_rank_cpu_zero_defaults(zero_stage: int) -> dict:
     """ZeRO settings for one rank on a CPU, where no gradient is exchanged.
@@ -49,7 +50,7 @@ def trainer_config(runtime, *, micro_batch: int, grad_accum: int = 1, zero_stage
     torch_adam = not runtime.is_gpu and not offload_optimizer
     if not runtime.is_gpu and world_size() == 1:
         zero_extra = {**one_rank_cpu_zero_defaults(zero_stage), **(zero_extra or {})}
-    config = ds_config.build_config(
+    config = build_config(
         micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size(), zero_stage=zero_stage,
         precision=precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, grad_clip=grad_clip,
         offload_optimizer=offload_optimizer, offload_param=offload_param, torch_adam=torch_adam,
@@ -57,7 +58,7 @@ def trainer_config(runtime, *, micro_batch: int, grad_accum: int = 1, zero_stage
     params = config["optimizer"].get("params", {})
     if params.get("torch_adam") and not {"fused", "foreach"} & set(params):   # a config_extra choice wins
         config["optimizer"] = {**config["optimizer"], "params": {**params, "fused": True}}
-    return ds_config.validate(config, device=runtime.device, world_size=world_size())
+    return validate(config, device=runtime.device, world_size=world_size())
 
 
 class AdvancedDeepSpeedTrainer:
@@ -105,7 +106,7 @@ class AdvancedDeepSpeedTrainer:
         import deepspeed
         quiet_deepspeed()
         init_single_process()
-        seed_everything(seed)
+        set_seed(seed)   # Python, NumPy and torch, so runs repeat
         model = build_model(vocab_size, self.n_positions, self.model_size, self.tokenizer.pad_token_id, seed)
         if self.gradient_checkpointing:
             enable_checkpointing(model)
@@ -150,7 +151,7 @@ class AdvancedDeepSpeedTrainer:
         return {"step": self.step, "loss": loss, "lr": lr, "skipped_steps": self.engine.skipped_steps,
                 "grad_norm": float(norm) if norm is not None else float("nan"),
                 "tokens_per_s": tokens / seconds, "step_s": seconds,
-                "memory_mib": memory_mib(self.runtime.device)}
+                "memory_mib": peak_memory(self.runtime.device) / 2**20}
 
     def _skip_one_rank_allreduce(self):
         """At ZeRO 0 DeepSpeed all-reduces the gradients after every backward, even on one rank, where

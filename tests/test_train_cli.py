@@ -5,12 +5,13 @@ import json
 import deepspeed
 import pytest
 import torch
+from transformers import pipeline
 
 from helpers import presets
 from helpers.launch import run_program
 from helpers.programs import train
 from helpers.config import ConfigError
-from helpers.metrics import read_tensorboard
+from helpers.export import read_tensorboard
 
 SMALL = dict(seq_len=16, n_samples=64, eval_samples=16, steps=4)   # eval: one batch of 16 = all held-out samples
 
@@ -74,7 +75,10 @@ def test_two_rank_zero3_checkpoint_exports_to_hf(torchrun_zero3, tmp_path):
         loss = model(input_ids=ids, labels=ids).loss.item()
     assert loss == pytest.approx(ranks[0]["eval_loss"], abs=1e-5)   # measured: 9.5e-07 (summation order)
     prompt = " ".join(held_out.texts[0].split()[:3])
-    assert len(export.generate_text(hf_dir, prompt, max_new_tokens=5).split()) == 3 + 5
+    generator = pipeline("text-generation", model=str(hf_dir), tokenizer=str(hf_dir))
+    text = generator(prompt + " ", max_new_tokens=5, do_sample=True, top_k=0,
+                     suppress_tokens=[generator.tokenizer.pad_token_id])[0]["generated_text"]
+    assert len(text.split()) == 3 + 5
 
 
 def test_deepspeed_launcher_trains_the_same_model(deepspeed_zero2, torchrun_zero3):

@@ -4,7 +4,7 @@ import pytest
 
 from helpers.config import ConfigError
 from helpers.data import SyntheticTextDataset
-from helpers.metrics import read_tensorboard
+from helpers.export import read_tensorboard
 from helpers.runtime import detect
 from helpers.model import build_model, generate
 from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError, trainer_config

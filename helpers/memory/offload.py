@@ -8,22 +8,10 @@ and a CPU optimizer step. Where the bytes live is read from the engine (measured
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from statistics import median_high as median   # the middle step (the higher of two), a step that ran
 
 from .measured import measuring_trainer, split_by_side
-
-
-def cpu_adam_load() -> dict:
-    """Load DeepSpeed's CPU Adam op, JIT-compiling it on first use; how long that took and whether
-    the compiled library was already in the torch extensions cache."""
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-    from torch.utils.cpp_extension import _get_build_directory
-    builder = CPUAdamBuilder()
-    cached = (Path(_get_build_directory(builder.name, verbose=False)) / f"{builder.name}.so").is_file()
-    start = time.perf_counter()
-    builder.load(verbose=False)
-    return {"op": builder.name, "seconds": time.perf_counter() - start, "was_cached": cached}
 
 
 def run_config(name: str, zero_optimization: dict, data, steps: int = 6, **trainer_args) -> dict:
@@ -56,8 +44,6 @@ def compare(data, zero_blocks: dict[str, dict], steps: int = 6, output_dir=".") 
 def rows(results: list[dict]) -> list[dict]:
     """A table: MB on each side, the optimizer that ran, median step time and its ratio to the first row
     (the first step of each run is left out: it includes one-off set-up)."""
-    def median(xs):
-        return sorted(xs)[len(xs) // 2]
     base = median(results[0]["step_s"][1:])
     return [{"config": r["name"], "accelerator MB": r["accelerator_bytes"] / 1e6, "host MB": r["host_bytes"] / 1e6,
              "host tensors on": ",".join(r["host_devices"]) or "-", "optimizer": r["optimizer"],

@@ -16,7 +16,7 @@ from helpers import comms
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
 from helpers.memory.measured import measure_held, measurement_zero_extra, split_by_side, zero2_overhang_bytes
-from helpers.metrics import memory_mib
+from helpers.memory.measured import peak_memory
 from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
@@ -76,7 +76,7 @@ def run_stage(a, stage: int, data, n_params: int) -> dict:
         "zero_config": trainer.config["zero_optimization"],
         "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(trainer.engine), **sides,
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
-        "peak_memory_mib": memory_mib("cuda") if trainer.runtime.is_gpu else None,
+        "peak_memory_mib": peak_memory("cuda") / 2**20 if trainer.runtime.is_gpu else None,
         "step_s": [m["step_s"] for m in history], "losses": [m["loss"] for m in trainer.history],
         "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world)}
     trainer.engine.destroy()   # release hooks and buffers before the next stage's engine
