@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from helpers.config import require_positive_int
+
 
 class ResumableBatches:
     def __init__(self, dataset, micro_batch: int, seed: int = 0, rank: int = 0, world_size: int = 1):
-        if micro_batch < 1:
-            raise ValueError(f"micro_batch={micro_batch} must be at least 1")
+        require_positive_int("micro_batch", micro_batch)
         # Materialise once: the tutorial's datasets are small and indexing one tensor is fast.
         self.tokens = torch.stack([dataset[i]["input_ids"] for i in range(len(dataset))])
         self.batches_per_epoch = len(self.tokens) // (micro_batch * world_size)

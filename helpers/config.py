@@ -12,15 +12,11 @@ from pathlib import Path
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 
-# Keys DeepSpeed 0.19 no longer accepts, with what to use instead.
+# Where our fix says more than DeepSpeed 0.19's own message for a removed top-level key (its
+# _REMOVED_TOP_LEVEL_CONFIG_KEYS table has the rest).
 REMOVED_TOP_LEVEL = {
     "curriculum_learning": "use 'data_efficiency.data_sampling.curriculum_learning' or "
                            "deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler",
-    "progressive_layer_drop": "Progressive Layer Drop was removed; delete the block",
-    "elasticity": "elastic training was removed; set the three batch sizes directly",
-    "compression_training": "the compression library was removed; delete the block",
-    "sparse_attention": "sparse attention was removed; delete the block",
-    "eigenvalue": "eigenvalue MoQ was removed; delete the block",
 }
 REMOVED_ZERO_KEYS = {
     "cpu_offload": "use zero_optimization.offload_optimizer = {'device': 'cpu'}",
@@ -32,6 +28,12 @@ REMOVED_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb"}
 
 class ConfigError(ValueError):
     """A DeepSpeed config problem found before any engine is built. The message names the field."""
+
+
+def require_positive_int(name: str, value) -> None:
+    """Raise ConfigError (a ValueError) naming `name` unless `value` is an int >= 1 (a bool is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
 
 
 def precision_block(precision: str) -> dict:
@@ -104,13 +106,10 @@ def validate(config: dict, *, device: str, world_size: int = 1) -> dict:
 
 
 def removed_top_level_keys() -> dict[str, str]:
-    """Removed top-level blocks -> what to do: DeepSpeed's own list (its message), with our fixes
-    where we have one. DeepSpeed raises on them too, but only inside initialize."""
-    try:
-        from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS as theirs   # 0.19's own table
-    except ImportError:
-        theirs = {}
-    return {**theirs, **REMOVED_TOP_LEVEL}
+    """Removed top-level blocks -> what to do: DeepSpeed's own table (its message), with our fix where
+    we have one. DeepSpeed raises on them too, but only inside initialize."""
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS
+    return {**_REMOVED_TOP_LEVEL_CONFIG_KEYS, **REMOVED_TOP_LEVEL}
 
 
 def check_removed_keys(config: dict) -> None:
@@ -131,10 +130,9 @@ def check_batch_sizes(config: dict, world_size: int) -> None:
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     train, micro, accum = (config.get(n) for n in names)
     for name, value in reversed(list(zip(names, (train, micro, accum)))):   # inputs before their product
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
-    if world_size < 1:
-        raise ConfigError(f"world_size={world_size} must be at least 1")
+        if value is not None:
+            require_positive_int(name, value)
+    require_positive_int("world_size", world_size)
     if None not in (train, micro, accum) and train != micro * accum * world_size:
         raise ConfigError(
             f"train_batch_size={train} must equal train_micro_batch_size_per_gpu ({micro}) x "

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import psutil
 
+from helpers import REPO_ROOT, with_repo_on_path
+from helpers.config import require_positive_int
 from helpers.precision import CPU_BF16_FLAGS, cpu_flags, cpu_matmul_speeds
 from helpers.runtime import free_port, process_rank
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = REPO_ROOT / "helpers" / "programs"
 # The notebook's own 1-rank group sets these. Both launchers overwrite them for their ranks today;
 # removing them makes sure no rank can ever join the notebook's group or reuse the port it holds.
@@ -50,11 +51,6 @@ def write_result(out_dir, result: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
-
-
-def read_results(out_dir, n_ranks: int) -> list[dict]:
-    """Every rank's result, ordered by rank, each with its "rank" added."""
-    return [{**json.loads((Path(out_dir) / f"rank{r}.json").read_text()), "rank": r} for r in range(n_ranks)]
 
 
 def show(program: str, *names: str) -> None:
@@ -139,7 +135,7 @@ def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir:
     cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]
     returncode = _run(cmd, _child_env(n_ranks), out / "logs" / "launcher.log", timeout)
     _raise_if_failed(returncode, out, n_ranks, launcher, timeout)
-    return read_results(out, n_ranks)
+    return [{**json.loads((out / f"rank{r}.json").read_text()), "rank": r} for r in range(n_ranks)]   # by rank
 
 
 LAUNCHERS = {   # (module, n_ranks, port, log dir) -> the command line, before "--out OUT_DIR ARGS"
@@ -159,8 +155,7 @@ def _validate(module: str, n_ranks: int, launcher: str) -> None:
     """Fail in the notebook, before any process starts, on the mistakes that are easy to make."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}, got {launcher!r}")
-    if not isinstance(n_ranks, int) or n_ranks < 1:
-        raise ValueError(f"n_ranks must be an integer >= 1, got n_ranks={n_ranks!r}")
+    require_positive_int("n_ranks", n_ranks)
     try:
         found = importlib.util.find_spec(module) is not None
     except ImportError:   # a missing parent package raises instead of returning None
@@ -205,8 +200,7 @@ def _raise_if_failed(returncode: int | None, out: Path, n_ranks: int, launcher: 
 def _child_env(n_ranks: int) -> dict[str, str]:
     if set(CPU_BF16_FLAGS) & cpu_flags():
         cpu_matmul_speeds()   # measured here once, inherited: every rank picks the same CPU precision
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = with_repo_on_path({k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS})
     # N ranks each starting one thread per core would oversubscribe the CPU N times over.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_ranks)))
     if gpu_count() < n_ranks:

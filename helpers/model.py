@@ -39,14 +39,16 @@ def enable_checkpointing(model) -> None:
     enable()   # transformers 5.x renamed it; non-reentrant torch.utils.checkpoint by default
 
 
-def gpt2_param_count(vocab_size: int, n_positions: int, n_layer: int, n_embd: int) -> int:
-    """Parameters of a GPT-2 with tied input/output embeddings, counted from its shapes.
+def gpt2_block_param_count(d: int) -> int:
+    """One GPT-2 block of width d: attention qkv 3d^2+3d, attention out d^2+d, MLP 4d^2+4d and 4d^2+d,
+    two LayerNorms 4d, i.e. 12d^2 + 13d."""
+    return 12 * d * d + 13 * d
 
-    Per block: attention qkv 3d^2+3d, attention out d^2+d, MLP 4d^2+4d and 4d^2+d, two LayerNorms 4d,
-    i.e. 12d^2 + 13d. Plus token (V d) and position (n_pos d) embeddings and the final LayerNorm (2d).
-    """
-    d = n_embd
-    return n_layer * (12 * d * d + 13 * d) + (vocab_size + n_positions) * d + 2 * d
+
+def gpt2_param_count(vocab_size: int, n_positions: int, n_layer: int, n_embd: int) -> int:
+    """Parameters of a GPT-2 with tied input/output embeddings, counted from its shapes: the blocks, token
+    (V d) and position (n_pos d) embeddings and the final LayerNorm (2d)."""
+    return n_layer * gpt2_block_param_count(n_embd) + (vocab_size + n_positions) * n_embd + 2 * n_embd
 
 
 @torch.no_grad()

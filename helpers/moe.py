@@ -1,16 +1,9 @@
 """Mixture of experts, the notebook's side: parameter counts from the shapes, DeepSpeed's capacity rule,
-and the tables and curves built from helpers/programs/moe.py's per-rank results.
+and the tables and curves built from helpers/programs/moe.py's per-rank results. (Notebook 06 explains
+the layer: E experts stored per block, k run per token, E / ep_size stored per expert-parallel rank.)
 
-A mixture-of-experts (MoE) layer holds E copies ("experts") of a block's MLP and a small gate, one
-linear map h -> E, that sends each token to its top-k experts. The model therefore *stores* E MLPs
-per block but *runs* only k of them per token: parameters grow with E, compute per token with k.
-With expert parallelism (`ep_size` ranks) each rank stores only E / ep_size of the experts and tokens
-travel to the rank holding their expert by an all-to-all, there and back.
-
-The program's `MoEGPT` is `helpers.model.build_model`'s GPT-2 with each `block.mlp` replaced by
-`deepspeed.moe.layer.MoE(expert=that MLP)`; its `dense_twin` is the same GPT-2 with MLPs k times wider,
-so both run the same number of parameters per token. `moe_param_counts` gives total / active /
-per-rank parameter counts from the shapes alone; `count_params` counts the modules themselves.
+The program's `MoEGPT` is GPT-2 with each `block.mlp` replaced by `deepspeed.moe.layer.MoE(expert=that
+MLP)`; its `dense_twin` has MLPs k times wider, so both run the same number of parameters per token.
 """
 from __future__ import annotations
 
@@ -20,6 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from helpers.config import require_positive_int
+from helpers.memory.formulas import ELEMENT_BYTES
 from helpers.model import MODEL_SIZES, gpt2_param_count
 
 GPT2_MLP_RATIO = 4   # GPT-2's MLP is h -> 4h -> h
@@ -28,8 +23,7 @@ GPT2_MLP_RATIO = 4   # GPT-2's MLP is h -> 4h -> h
 def check_moe_args(num_experts: int, ep_size: int = 1, k: int = 1, world_size: int | None = None) -> None:
     """Raise ValueError naming the problem and the fix, before DeepSpeed asserts (or hangs) on it."""
     for name, value in (("num_experts", num_experts), ("ep_size", ep_size), ("k", k)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+        require_positive_int(name, value)
     if num_experts % ep_size:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}: each of the {ep_size} "
                          f"expert-parallel ranks holds num_experts / ep_size whole experts; use a num_experts that "
@@ -72,13 +66,6 @@ def moe_param_counts(vocab_size: int, n_positions: int, n_layer: int, n_embd: in
             "experts_total": n_layer * num_experts * expert,
             "experts_per_rank": n_layer * num_experts // ep_size * expert,
             "dense_twin": body + n_layer * mlp_param_count(n_embd, k * GPT2_MLP_RATIO * n_embd)}
-
-
-def moe_param_counts_for_size(vocab_size: int, n_positions: int, size: str, num_experts: int, k: int = 1,
-                              ep_size: int = 1) -> dict[str, int]:
-    """`moe_param_counts` for one of helpers.model.MODEL_SIZES ("tiny", "small", ...)."""
-    n_layer, n_embd, _ = MODEL_SIZES[size]
-    return moe_param_counts(vocab_size, n_positions, n_layer, n_embd, num_experts, k, ep_size)
 
 
 def moe_layers(model: nn.Module) -> list:
@@ -192,7 +179,6 @@ def all_to_all_bytes(results: list[dict]) -> dict[str, int]:
     s, r = results[0]["settings"], results[0]
     n_layer, n_embd, _ = MODEL_SIZES[s["model_size"]]
     cap = capacity(s["tokens_per_rank_step"], s["num_experts"], s["k"], s["capacity_factor"])
-    element = {"fp32": 4, "bf16": 2, "fp16": 2}[s["precision"]]
     logged = r["moe"]["comm_logged"].get("all_to_all_single", {})
     return {"logged": sum(int(size) * count for size, count in logged.items()),   # JSON made the sizes strings
-            "predicted": 4 * n_layer * s["num_experts"] * cap * n_embd * element}
+            "predicted": 4 * n_layer * s["num_experts"] * cap * n_embd * ELEMENT_BYTES[s["precision"]]}

@@ -11,20 +11,19 @@ from pathlib import Path
 import torch
 
 from helpers.launch import gpu_count, per_run, run_program
+from helpers.model import gpt2_block_param_count
 from helpers.runtime import environment
 
-STAGES = 2   # helpers/programs/pipeline.py cuts the model in two
+STAGES = 2   # helpers/programs/pipeline.py cuts the model in two (one stage per rank)
 
 
 def layer_param_formula(config) -> list[int]:
-    """Parameters of each layer of the program's `gpt2_layer_specs`, from a GPT2Config's shapes alone.
-
-    Token embedding V d, position embedding n_pos d, block 12 d^2 + 13 d (qkv 3d^2+3d, attention out
-    d^2+d, MLP 4d^2+4d and 4d^2+d, two LayerNorms 4d), final LayerNorm 2d, LM head V d (the copy of
-    the token embedding a stage holds when it owns the head but not the embedding).
-    """
+    """Parameters of each layer of the program's `gpt2_layer_specs`, from a GPT2Config's shapes alone:
+    token embedding V d, position embedding n_pos d, the blocks (helpers.model.gpt2_block_param_count),
+    final LayerNorm 2d, LM head V d (the copy of the token embedding a stage holds when it owns the
+    head but not the embedding)."""
     d, vocab = config.n_embd, config.vocab_size
-    return [vocab * d, config.n_positions * d, *[12 * d * d + 13 * d] * config.n_layer, 2 * d, vocab * d]
+    return [vocab * d, config.n_positions * d, *[gpt2_block_param_count(d)] * config.n_layer, 2 * d, vocab * d]
 
 
 def stage_param_formula(specs: list, parts: list[int], per_layer: list[int]) -> list[int]:

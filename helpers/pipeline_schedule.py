@@ -3,11 +3,6 @@ table, a timer for the instructions a pipeline engine really runs, and a replay 
 where a measured step's idle time went. (The model is helpers/programs/pipeline.py; launching it and
 comparing with the unsplit run is helpers.pipeline.)
 
-A `PipelineModule` cuts a list of layers into stages, one per rank. Each batch is split into m
-micro-batches that flow through the stages; while the pipeline fills and drains some stages wait.
-With p equal stages that idle share (the "bubble") is (p - 1) / (m + p - 1) (GPipe, Huang et al. 2019,
-section 2.3; PipeDream-Flush/1F1B, Narayanan et al. 2021, has the same bubble).
-
 Events (measured or replayed) are dicts {"name": instruction, "mb": micro-batch, "start", "end",
 "cpu_s"}; a step is one list of them per stage.
 """
@@ -16,6 +11,8 @@ from __future__ import annotations
 import time
 from itertools import islice
 from statistics import median
+
+from helpers.config import require_positive_int
 
 # Instruction types of deepspeed.runtime.pipe.schedule, grouped by what the stage is doing.
 COMPUTE = ("ForwardPass", "BackwardPass")
@@ -26,44 +23,37 @@ RECEIVES = {"RecvActivation": ("SendActivation", -1), "RecvGrad": ("SendGrad", +
 # ---- the bubble ----
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """Share of a training step each stage idles while the pipeline fills and drains: (p-1)/(m+p-1).
+    """Share of a training step each stage idles while the pipeline fills and drains: (p-1)/(m+p-1)
+    (GPipe, Huang et al. 2019, section 2.3; PipeDream-Flush/1F1B, Narayanan et al. 2021, has the same).
 
     Assumes every stage takes the same time per micro-batch. p=1 has no bubble; more micro-batches
     shrink it. stages = p (pipeline stages), micro_batches = m (micro-batches per optimizer step).
     """
-    for name, value in (("stages", stages), ("micro_batches", micro_batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
+    require_positive_int("stages", stages)
+    require_positive_int("micro_batches", micro_batches)
     return (stages - 1) / (micro_batches + stages - 1)
 
 
 # ---- DeepSpeed's training schedule ----
 
+PASS_OF = {"LoadMicroBatch": "ForwardPass", "RecvActivation": "ForwardPass", "ForwardPass": "ForwardPass",
+           "SendActivation": "ForwardPass", "RecvGrad": "BackwardPass", "BackwardPass": "BackwardPass",
+           "SendGrad": "BackwardPass"}   # the pass each instruction serves; the rest serve the whole batch
+
+
 def micro_batch_ids(names: list[str]) -> list[int | None]:
     """The micro-batch each instruction works on, from their order alone.
 
     1F1B runs the forwards in micro-batch order and the backwards too, so the k-th ForwardPass is
-    micro-batch k; a receive belongs to the pass after it, a send to the pass before it.
+    micro-batch k; a load or receive belongs to the pass after it, a send to the pass before it.
     """
-    forwards = backwards = 0
+    passes_done = {"ForwardPass": 0, "BackwardPass": 0}
     ids = []
     for name in names:
-        if name in ("RecvActivation", "LoadMicroBatch"):
-            ids.append(forwards)
-        elif name == "ForwardPass":
-            ids.append(forwards)
-            forwards += 1
-        elif name == "SendActivation":
-            ids.append(forwards - 1)
-        elif name == "RecvGrad":
-            ids.append(backwards)
-        elif name == "BackwardPass":
-            ids.append(backwards)
-            backwards += 1
-        elif name == "SendGrad":
-            ids.append(backwards - 1)
-        else:   # ReduceTiedGrads, ReduceGrads, OptimizerStep: the whole batch
-            ids.append(None)
+        kind = PASS_OF.get(name)   # None: ReduceTiedGrads, ReduceGrads, OptimizerStep
+        ids.append(None if kind is None else passes_done[kind] - name.startswith("Send"))
+        if name in passes_done:
+            passes_done[name] += 1
     return ids
 
 

@@ -32,10 +32,6 @@ def cpu_flags() -> set[str]:
     return set(cpuinfo_field("flags").split())
 
 
-def cpu_model_name() -> str:
-    return cpuinfo_field("model name")
-
-
 def choose_precision(capability: tuple | None, flags: set[str] = frozenset(),
                      speeds: dict | None = None) -> tuple[str, str]:
     """(precision, reason) for a CUDA capability, or for the CPU when capability is None.

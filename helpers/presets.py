@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from helpers import REPO_ROOT
 from helpers.config import build_config, save_json
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = REPO_ROOT / "configs"
 
 # The trainer's default hyperparameters (helpers.trainer.AdvancedDeepSpeedTrainer), so a file run by
 # `python -m helpers.programs.train` trains as the notebooks' trainer does.
@@ -85,10 +86,10 @@ def describe() -> list[dict]:
 
 def resolve(config_path: str | Path) -> Path:
     """A config path as given, or relative to the repository ("configs/zero2.json" from notebooks/ too)."""
-    for candidate in (Path(config_path), CONFIG_DIR.parent / config_path):
+    for candidate in (Path(config_path), REPO_ROOT / config_path):
         if candidate.is_file():
             return candidate.resolve()
-    raise FileNotFoundError(f"config file {config_path} not found (looked here and under {CONFIG_DIR.parent})")
+    raise FileNotFoundError(f"config file {config_path} not found (looked here and under {REPO_ROOT})")
 
 
 def training_arguments(config_path: str | Path, output_dir: str | Path, **overrides):

@@ -14,10 +14,10 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from helpers import REPO_ROOT
 from helpers.runtime import run_dir
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOKS = REPO_ROOT / "notebooks"
 
 
 def execute(path: Path, out_path: Path, timeout: int = 1200) -> float:

@@ -6,15 +6,14 @@ import contextlib
 import io
 import os
 import platform
-import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .precision import (CPU_BF16_FLAGS, PRECISION_ENV, choose_precision, cpu_flags, cpu_matmul_speeds, cpu_model_name,
+from . import REPO_ROOT
+from .precision import (CPU_BF16_FLAGS, PRECISION_ENV, choose_precision, cpu_flags, cpu_matmul_speeds, cpuinfo_field,
                         forced_precision)
 
 
@@ -53,7 +52,7 @@ def detect() -> Runtime:
     precision, reason = choose_precision(None, flags, speeds)
     if forced:
         precision, reason = forced, f"forced by {PRECISION_ENV}={forced} (the rule says {precision}: {reason})"
-    name = cpu_model_name() or platform.machine()
+    name = cpuinfo_field("model name") or platform.machine()
     return Runtime("cpu", f"{name} ({os.cpu_count()} cores)", None,
                    psutil.virtual_memory().total / 2**30, precision, reason, speeds)
 
@@ -103,13 +102,6 @@ def world_size() -> int:
     if torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and CUDA) so runs repeat."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def quiet_deepspeed(level: str = "WARNING") -> None:
@@ -212,7 +204,7 @@ def compare_adamw(module: torch.nn.Module, variants: dict[str, dict], repeats: i
 
 def run_dir(name: str) -> Path:
     """Where a notebook writes everything it makes: $TUTORIAL_RUN_DIR/<name>, default <repo>/runs/<name>."""
-    root = os.environ.get("TUTORIAL_RUN_DIR") or Path(__file__).resolve().parent.parent / "runs"
+    root = os.environ.get("TUTORIAL_RUN_DIR") or REPO_ROOT / "runs"
     path = Path(root) / name
     path.mkdir(parents=True, exist_ok=True)
     return path

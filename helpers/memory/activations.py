@@ -9,12 +9,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
+from statistics import median_high
 
+from .. import REPO_ROOT, with_repo_on_path
 from .formulas import activation_bytes_for
 from .measured import memory_mark, memory_now, peak_memory, peak_source
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpointing: bool, device: str):
@@ -61,17 +60,8 @@ def _child_measure(model_size: str, seq_len: int, micro_batch: int, checkpointin
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"peak_bytes": peak, "forward_bytes": held, "seconds": sorted(times)[len(times) // 2],
+    return {"peak_bytes": peak, "forward_bytes": held, "seconds": median_high(times),
             "source": peak_source(device), "device": device, "n_params": sum(p.numel() for p in model.parameters())}
-
-
-def child_env() -> dict:
-    """Environment for the measuring child. glibc keeps freed blocks below its (self-raising, up to
-    32 MB) mmap threshold in the heap, so RSS would show the allocator's high-water, not live tensors;
-    a fixed 64 KiB threshold returns every large tensor to the OS when it is freed."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return env
 
 
 def measure_step_memory(model_size: str = "tiny", seq_len: int = 256, micro_batch: int = 8,
@@ -86,8 +76,11 @@ def measure_step_memory(model_size: str = "tiny", seq_len: int = 256, micro_batc
     """
     args = dict(model_size=model_size, seq_len=seq_len, micro_batch=micro_batch, checkpointing=checkpointing,
                 precision=precision, vocab=vocab, steps=steps)
+    # glibc keeps freed blocks below its (self-raising, up to 32 MB) mmap threshold in the heap, so RSS would
+    # show the allocator's high-water, not live tensors: a fixed 64 KiB returns every large tensor to the OS.
+    env = with_repo_on_path(dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
     proc = subprocess.run([sys.executable, "-m", __name__, "--measure", json.dumps(args)],
-                          cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"measuring child failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -97,15 +90,9 @@ def sweep(seq_lens=(256, 512, 1024), micro_batch: int = 1, model_size: str = "sm
           precision: str = "fp32", vocab: int = 512, steps: int = 1) -> list[dict]:
     """Measured vs predicted activation bytes, without and with checkpointing, at each seq_len.
 
-    The defaults (4 layers, h = 256, a tiny vocabulary, seq up to 1024) make the layers' activations,
-    not the logits or the allocator's noise, the bulk of the step, and run in under a minute on 2 cores
-    (most of it starting the six child processes).
-
-    held_*: bytes kept between forward and backward; without checkpointing RSS matched the formula
-    within 1% on a 2-core box. measured/predicted: the step's peak, 5-15% above the formula without
-    checkpointing and up to ~50% above with it at seq 1024, for two things the formula leaves out:
-    backward's transient gradient of the attention scores (about as^2b x bytes) and, with HF's eager
-    attention under checkpointing, the b x s^2 fp32 causal mask it keeps as a checkpoint input.
+    The defaults (4 layers, h = 256, a tiny vocabulary) make the layers' activations, not the logits or
+    the allocator's noise, the bulk of the step. held_*: bytes kept between forward and backward;
+    measured/predicted: the step's peak, which also holds what the formula leaves out (notebook 05 names it).
     """
     rows = []
     for seq_len in seq_lens:

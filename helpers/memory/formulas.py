@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ..config import require_positive_int
+
 GB = 1e9   # the paper's GB (its 7.5B-parameter example: 120, 31.4, 16.6, 1.9 GB on 64 GPUs)
 VOCAB = 50257   # GPT-2's BPE vocabulary, which GPT-3 kept
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -30,8 +32,7 @@ def zero_model_states(n_params: float, n_ranks: int, stage: int, param_bytes: fl
     the N ranks, stage 2 also the gradients, stage 3 also the parameters."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage!r} is not a ZeRO stage (0-3)")
-    if n_ranks < 1:
-        raise ValueError(f"n_ranks={n_ranks} must be at least 1")
+    require_positive_int("n_ranks", n_ranks)
 
     def per_rank(bytes_each, partitioned_from_stage):
         return bytes_each * n_params / (n_ranks if stage >= partitioned_from_stage else 1)

@@ -6,6 +6,7 @@ communication buffers are not model states, so `held_bytes` reports the buffers 
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from helpers.memory.formulas import bytes_per_param, zero_model_states
@@ -182,15 +183,6 @@ def rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (Linux >= 4.0), so a warm-up step's peak doesn't count."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_now(device: str) -> int:
     """Bytes in use now, read as `peak_source` says."""
     import torch
@@ -203,8 +195,9 @@ def memory_mark(device: str) -> int:
         import torch
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    else:
-        reset_peak_rss()   # if refused, the peak also holds whatever ran before (imports, a warm-up step)
+    else:   # reset the kernel's peak-RSS mark (Linux >= 4.0), so a warm-up step's peak doesn't count;
+        with contextlib.suppress(OSError):   # if refused, the peak also holds what ran before (imports, warm-up)
+            Path("/proc/self/clear_refs").write_text("5")
     return memory_now(device)
 
 

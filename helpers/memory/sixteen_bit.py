@@ -10,6 +10,7 @@ emulates bf16 and is far slower than fp32 (helpers.precision.matmul_tflops measu
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median_high
 
 from .activations import measure_step_memory
 from .measured import measure_held, measuring_trainer
@@ -35,7 +36,7 @@ def model_states(data, precision: str, steps: int = 3, output_dir=".", **trainer
     held = measure_held(trainer)
     history = trainer.train(steps, progress=False)
     trainer.engine.destroy()
-    tokens_per_s = sorted(m["tokens_per_s"] for m in history)[len(history) // 2]
+    tokens_per_s = median_high(m["tokens_per_s"] for m in history)
     return {"precision": precision, "n_params": trainer.n_params, "held_bytes": held, "tokens_per_s": tokens_per_s,
             "losses": [m["loss"] for m in trainer.history]}
 

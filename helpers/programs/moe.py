@@ -16,14 +16,15 @@ from dataclasses import dataclass
 import torch
 from deepspeed.moe.layer import MoE
 from torch import nn
+from transformers import set_seed
 
 from helpers import comms, moe
 from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
-from helpers.runtime import detect, init_single_process, quiet_deepspeed, seed_everything
-from helpers.model import build_model
+from helpers.runtime import detect, init_single_process, quiet_deepspeed
+from helpers.model import MODEL_SIZES, build_model
 
 
 def parse(argv=None):
@@ -240,7 +241,7 @@ def main(argv=None):
     init_single_process()   # under a launcher: joins the launcher's group
     world = torch.distributed.get_world_size()
     check_options(a, world)
-    seed_everything(a.seed)
+    set_seed(a.seed)
     precision = detect().precision if a.precision == "auto" else a.precision
     data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
     models = {"moe": MoEGPT(data.vocab_size, a.seq_len, a.model_size, a.num_experts, a.k, a.ep_size,
@@ -250,8 +251,8 @@ def main(argv=None):
     runs = train_side_by_side(models, a, data, precision, world)
     engine, result = runs["moe"]
     result.update(held=moe.count_params(engine.module, a.k), **held_experts(engine.module),
-                  formula=moe.moe_param_counts_for_size(data.vocab_size, a.seq_len, a.model_size, a.num_experts,
-                                                        a.k, a.ep_size))
+                  formula=moe.moe_param_counts(data.vocab_size, a.seq_len, *MODEL_SIZES[a.model_size][:2], a.num_experts,
+                                               a.k, a.ep_size))
     if "dense" in runs:
         runs["dense"][1]["params"] = sum(p.numel() for p in runs["dense"][0].module.parameters())
     settings = {k: v for k, v in vars(a).items() if k != "out"}

@@ -21,18 +21,17 @@ import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
-from transformers import GPT2Config
+from transformers import GPT2Config, set_seed
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from helpers.config import build_config
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
 from helpers.model import MODEL_SIZES
-from helpers.pipeline import layer_param_formula, stage_param_formula
+from helpers.pipeline import STAGES, layer_param_formula, stage_param_formula
 from helpers.pipeline_schedule import InstructionTimer, bubble_fraction
-from helpers.runtime import quiet_deepspeed, seed_everything
+from helpers.runtime import quiet_deepspeed
 
-STAGES = 2
 PARTITION_METHODS = ("parameters", "uniform", "type:GPT2Block")
 TIED_KEY = "token_embedding"   # the input embedding and the LM head share one weight, as in GPT-2
 
@@ -261,7 +260,7 @@ def main(argv=None):
     # Enough samples that no step of the largest m reuses one.
     data = SyntheticTextDataset("markov", n_samples=a.steps * max(a.micro_batches) * a.micro_batch,
                                 seq_len=a.seq_len, seed=a.seed)
-    seed_everything(a.seed)
+    set_seed(a.seed)
     train = train_unsplit if a.unsplit else train_pipeline
     runs = [train(a, m, data) for m in a.micro_batches]
     config = model_config(a, data.vocab_size)

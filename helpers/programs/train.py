@@ -63,7 +63,7 @@ def parse(argv=None) -> argparse.Namespace:
 def check_options(a: argparse.Namespace, world_size: int) -> None:
     """Before any rank starts (helpers.launch.run_program): the config file must exist. A relative path
     may start at the repository root, where the launcher runs the ranks."""
-    from helpers.launch import REPO_ROOT
+    from helpers import REPO_ROOT
     if not (Path(a.config).is_file() or (REPO_ROOT / a.config).is_file()):
         raise ConfigError(f"config file {a.config} not found (relative paths may start at the repository root)")
 
