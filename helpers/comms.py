@@ -23,7 +23,6 @@ SEND_FACTOR = {  # bytes sent per logged byte, as a function of the number of ra
     "reduce": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
 }
-PAPER_VOLUME_IN_PSI = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}   # per step, in units of Ψ elements
 
 
 def predicted_units(stage: int, accum: int, algorithm: str = "paper") -> float:
@@ -73,17 +72,13 @@ def sent_bytes(logged: dict, n_ranks: int) -> dict[str, float]:
             for op, sizes in logged.items()}
 
 
-def paper_sent_bytes(n_params: int, n_ranks: int, stage: int, bytes_per_element: int) -> float:
-    """The paper's per-step volume for one rank: 2Ψ or 3Ψ elements, times the ring's (N-1)/N."""
-    return PAPER_VOLUME_IN_PSI[stage] * n_params * bytes_per_element * (n_ranks - 1) / n_ranks
-
-
 # ---- tables from the rank programs' results (helpers/programs/zero_stages.py, comm_dtype.py) ----
 
 def stage_rows(default: dict[int, list], paper: dict[int, list], accum: int) -> list[dict]:
     """Per ZeRO stage and algorithm (DeepSpeed's defaults, the paper's): bytes rank 0 sent in one
     optimizer step, measured vs predicted. Each argument: {stage: [rank 0's result, rank 1's, ...]}."""
     from helpers.memory.formulas import bytes_per_param
+    base = sum(default[0][0]["comm_sent_bytes"].values())   # stage 0 with DeepSpeed's defaults
     rows = []
     for algorithm, results in (("deepspeed", default), ("paper", paper)):
         for stage, ranks in results.items():
@@ -92,10 +87,7 @@ def stage_rows(default: dict[int, list], paper: dict[int, list], accum: int) -> 
             measured = sum(r["comm_sent_bytes"].values())
             rows.append({"stage": stage, "algorithm": algorithm, "sent MB (logged x ring)": measured / 1e6,
                          "predicted MB": predicted_units(stage, accum, algorithm) * unit / 1e6,
-                         "vs stage 0": None, "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
-    base = next(row["sent MB (logged x ring)"] for row in rows if row["stage"] == 0)
-    for row in rows:
-        row["vs stage 0"] = row["sent MB (logged x ring)"] / base
+                         "vs stage 0": measured / base, "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
     return rows
 
 

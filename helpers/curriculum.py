@@ -1,19 +1,11 @@
-"""Sequence-length curriculum with DeepSpeed's `CurriculumScheduler`, against a fair baseline (notebook 06).
+"""Sequence-length curriculum with DeepSpeed's `CurriculumScheduler` against a fair baseline (notebook 06,
+which holds the training loop: before step s, counted from 1, ask `scheduler.update_difficulty(s)` for the
+length and truncate the batch to it). This module checks schedules, makes the data and judges the outcome.
 
-The idea (Li et al., "The Stability-Efficiency Dilemma", 2022): start training on short sequences and
-lengthen them step by step. DeepSpeed 0.19 dropped the old top-level `curriculum_learning` block, so
-the training loop drives its scheduler itself, as its data sampler does: before step s (counted from
-1) ask `scheduler.update_difficulty(s)` for the sequence length, and truncate the batch to it.
-Notebook 06 holds that loop; this module checks schedules, makes the data and judges the outcome.
-
-Fair comparison, by design:
-- both runs see the same number of tokens per step (`tokens_per_step`): a step at length L uses
-  tokens_per_step / L sequences, so a short-sequence step has more sequences, not fewer tokens;
-- hence the same number of optimizer steps, the same token budget and the same learning-rate
-  schedule (by step = by token), the same model initialisation, data order and seed;
-- both are judged on the same held-out sequences at full length, against tokens seen.
-One cost is not equalised: a sequence of L tokens gives L - 1 next-token predictions, so short
-steps train on slightly fewer predictions.
+Fair by design: both runs see the same tokens per step (a step at length L uses tokens_per_step / L
+sequences), hence the same steps, token budget, LR schedule, initial weights, data order and seed, and
+both are judged on the same held-out sequences at full length. Not equalised: a sequence of L tokens
+gives L - 1 next-token predictions, so short steps train on slightly fewer.
 """
 from __future__ import annotations
 
@@ -26,22 +18,6 @@ from .data import SyntheticTextDataset
 from .runtime import quiet_deepspeed
 
 SCHEDULE_TYPES = ("fixed_linear", "fixed_root", "fixed_discrete")
-
-
-def seqlen_schedule(min_len: int = 16, max_len: int = 64, total_curriculum_step: int = 30,
-                    difficulty_step: int = 16, schedule_type: str = "fixed_linear", root_degree: int = 2) -> dict:
-    """A CurriculumScheduler config for the sequence-length metric, checked.
-
-    Same keys as DeepSpeed's `data_efficiency.data_sampling.curriculum_learning.curriculum_metrics.<metric>`.
-    fixed_linear: length = min + (max - min) * step / total_curriculum_step, floored to a multiple of
-    difficulty_step, reaching max_len at total_curriculum_step; fixed_root uses (step / total)^(1/root_degree).
-    """
-    schedule = {"min_difficulty": min_len, "max_difficulty": max_len, "schedule_type": schedule_type,
-                "schedule_config": {"total_curriculum_step": total_curriculum_step,
-                                    "difficulty_step": difficulty_step}}
-    if schedule_type == "fixed_root":
-        schedule["schedule_config"]["root_degree"] = root_degree
-    return check_schedule(schedule)
 
 
 def check_schedule(schedule: dict, seq_len: int | None = None) -> dict:

@@ -6,10 +6,9 @@ whose floor is ln V) as text and tokenises it word-level, so one word is one tok
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import datasets
 import numpy as np
@@ -55,20 +54,6 @@ class MarkovSource:
         word_rng, chain_rng = np.random.default_rng(seed).spawn(2)
         self.seed = seed
         self._setup(make_words(n_words, word_rng), self._draw_transition(n_words, successors, chain_rng))
-
-    @classmethod
-    def from_matrix(cls, transition: np.ndarray, words: list[str] | None = None) -> MarkovSource:
-        """Wrap a hand-built row-stochastic matrix (assumed irreducible), e.g. for tests."""
-        P = np.asarray(transition, dtype=np.float64)
-        if P.ndim != 2 or P.shape[0] != P.shape[1] or (P < 0).any() or not np.allclose(P.sum(1), 1):
-            raise ValueError("transition must be a square matrix with non-negative rows summing to 1")
-        words = words or make_words(len(P), np.random.default_rng(0))
-        if len(words) != len(P):
-            raise ValueError(f"words has {len(words)} entries but transition has {len(P)} rows")
-        src = cls.__new__(cls)
-        src.seed = None
-        src._setup(words, P)
-        return src
 
     @staticmethod
     def _draw_transition(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -127,10 +112,6 @@ class MarkovSource:
             out.append(nxt[out[-1]][bisect_right(cum[out[-1]], u[t])])
         return np.array(out, dtype=np.int64)
 
-    def is_valid(self, a: int, b: int) -> bool:
-        """True if word b can follow word a."""
-        return bool(self.transition[a, b] > 0)
-
     def valid_fraction(self, word_indices: Sequence[int] | np.ndarray) -> float:
         """Fraction of consecutive pairs the chain allows; index -1 = unknown word.
 
@@ -168,18 +149,6 @@ def train_tokenizer(texts: list[str], words: list[str] | None = None) -> PreTrai
     tok.train_from_iterator(list(texts) + ([" ".join(words)] if words else []), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
                                    clean_up_tokenization_spaces=False)
-
-
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """Hide datasets' progress bars for tiny in-memory maps, then restore the setting."""
-    was_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_disabled:
-            datasets.enable_progress_bars()
 
 
 class SyntheticTextDataset(torch.utils.data.Dataset):
@@ -224,13 +193,8 @@ class SyntheticTextDataset(torch.utils.data.Dataset):
         return [self.source.render(r) for r in rows]
 
     def _tokenize(self) -> datasets.Dataset:
-        def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-            enc = self.tokenizer(batch["text"], truncation=True, max_length=self.seq_len, padding="max_length")
-            return {"input_ids": enc["input_ids"]}
-
-        with _quiet_datasets():  # in memory only: no cache files, no progress bars
-            ds = datasets.Dataset.from_dict({"text": self.texts})
-            ds = ds.map(encode, batched=True, keep_in_memory=True, load_from_cache_file=False)
+        enc = self.tokenizer(self.texts, truncation=True, max_length=self.seq_len, padding="max_length")
+        ds = datasets.Dataset.from_dict({"text": self.texts, "input_ids": enc["input_ids"]})   # in memory, no cache
         return ds.with_format("torch", columns=["input_ids"], output_all_columns=True)
 
     def __len__(self) -> int:

@@ -1,19 +1,14 @@
-"""Dynamic loss scaling for fp16 training: the rule, replayed independently of DeepSpeed (notebook 06).
-
-fp16 holds numbers up to 65504 and loses anything below about 6e-8, so small gradients vanish. The
-fix: multiply the loss by a large scale S before backward (every gradient is then S times larger),
-divide the gradients by S before the optimizer step. Too large an S makes a gradient overflow to
-inf/NaN; then the step is skipped and S shrinks. DeepSpeed's `DynamicLossScaler` applies the rule:
+"""Dynamic loss scaling for fp16 training (notebook 06 explains why): the rule DeepSpeed's
+`DynamicLossScaler` applies to the scale S, replayed independently of DeepSpeed:
 
 - overflow: skip the step; if the hysteresis budget is used up, halve S (never below min_scale),
   otherwise spend one unit of hysteresis and keep S;
 - no overflow: once `scale_window` clean steps have passed since the last overflow, double S
   (and refill the hysteresis budget); then again after every further `scale_window` clean steps.
 
-Notebook 06 drives DeepSpeed's scaler from a mixed-precision loop of its own on a CPU (DeepSpeed
-refuses fp16 there) and DeepSpeed's fp16 engine on a GPU; `expected_scales` replays the rule from
-the overflows alone, so a check can assert DeepSpeed followed it, and `summarize` counts what a
-reader checks.
+Notebook 06 drives DeepSpeed's scaler from its own mixed-precision loop on a CPU (and the fp16 engine
+on a GPU); `expected_scales` replays the rule from the overflows alone, so a check can assert DeepSpeed
+followed it.
 """
 from __future__ import annotations
 

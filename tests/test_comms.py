@@ -1,7 +1,7 @@
 """Communication volume: ring send factors and the ZeRO paper's per-stage prediction."""
 import pytest
 
-from helpers.comms import paper_sent_bytes, predicted_units, sent_bytes
+from helpers.comms import predicted_units, sent_bytes
 
 
 def test_all_reduce_sends_twice_the_tensor_times_n_minus_1_over_n():
@@ -14,11 +14,12 @@ def test_zero2_as_in_the_paper_equals_data_parallel():
     # reduce-scatter the gradients (whole tensor logged), all-gather the updated shard (shard logged)
     zero2 = sent_bytes({"reduce_scatter_tensor": {psi_bytes: 1}, "all_gather_into_tensor": {psi_bytes // n: 1}}, n)
     assert sum(zero2.values()) == pytest.approx(data_parallel["all_reduce"])
-    assert data_parallel["all_reduce"] == pytest.approx(paper_sent_bytes(1_000, n, 0, 4))
+    # the paper's units are Ψ·bytes·(N-1)/N: here Ψ = 1,000 fp32 elements
+    assert data_parallel["all_reduce"] == pytest.approx(predicted_units(0, 1) * psi_bytes * (n - 1) / n)
 
 
 def test_zero3_is_one_and_a_half_times_data_parallel():
-    assert paper_sent_bytes(10, 8, 3, 2) / paper_sent_bytes(10, 8, 0, 2) == pytest.approx(1.5)
+    assert predicted_units(3, accum=1) / predicted_units(0, accum=1) == pytest.approx(1.5)
 
 
 def test_single_rank_sends_nothing_and_unknown_ops_are_refused():

@@ -7,7 +7,19 @@ import pytest
 import torch
 
 from helpers.curriculum import (check_schedule, datasets, lengths_over_steps, make_scheduler, rows_per_step,
-                                seqlen_schedule, tokens_to_reach, truncate, verdict)
+                                tokens_to_reach, truncate, verdict)
+
+
+def seqlen_schedule(min_len: int = 16, max_len: int = 64, total_curriculum_step: int = 30,
+                    difficulty_step: int = 16, schedule_type: str = "fixed_linear", root_degree: int = 2) -> dict:
+    """A CurriculumScheduler config for the sequence-length metric (the keys of DeepSpeed's
+    `curriculum_metrics.<metric>` block), checked."""
+    schedule = {"min_difficulty": min_len, "max_difficulty": max_len, "schedule_type": schedule_type,
+                "schedule_config": {"total_curriculum_step": total_curriculum_step,
+                                    "difficulty_step": difficulty_step}}
+    if schedule_type == "fixed_root":
+        schedule["schedule_config"]["root_degree"] = root_degree
+    return check_schedule(schedule)
 
 
 def documented_length(step, lo, hi, total, granularity, root_degree=1):

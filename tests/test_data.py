@@ -24,7 +24,8 @@ def train() -> SyntheticTextDataset:
 
 def test_two_state_chain_matches_closed_form():
     a, b = 0.3, 0.1
-    chain = MarkovSource.from_matrix([[1 - a, a], [b, 1 - b]])
+    chain = MarkovSource.__new__(MarkovSource)   # a hand-built chain instead of a drawn one
+    chain._setup(["ka", "po"], np.array([[1 - a, a], [b, 1 - b]]))
 
     def h(p: float) -> float:
         return -(p * math.log(p) + (1 - p) * math.log(1 - p))
@@ -89,7 +90,7 @@ def test_valid_fraction(src):
     assert src.valid_fraction(uniform) == pytest.approx(4 / 128, abs=0.01)
     a = int(sample[0])
     bad = int(np.flatnonzero(src.transition[a] == 0)[0])
-    assert not src.is_valid(a, bad)
+    assert src.valid_fraction([a, bad]) == 0.0
     assert src.valid_fraction_of_text(f"{src.words[a]} notaword {src.words[a]}") == 0.0
     assert math.isnan(src.valid_fraction([a]))
 

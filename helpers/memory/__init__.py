@@ -4,8 +4,7 @@ formulas     the ZeRO paper's model-state bytes, Korthikanti et al.'s activation
              (pure arithmetic, no torch at import time)
 measured     what a rank really holds (by component, by side), peak memory from the allocator or the OS,
              ZeRO settings that make a tiny model's bytes show the formulas
-planner      what fits on a GPU (stage, offload, checkpointing, micro-batch), DeepSpeed's estimators beside
-             it, the explorer's checks and DeepSpeed config
+planner      what fits on a GPU (stage, offload, checkpointing, micro-batch), the explorer's checks and config
 widget       the explorer as ipywidgets
 activations, offload, sixteen_bit: notebook 05's experiments (activation sweep in fresh processes;
              ZeRO-Offload and 16-bit training runs)

@@ -16,7 +16,8 @@ import json
 
 import ipywidgets as widgets
 
-from .. import config as ds_config, plots
+from .. import plots
+from ..config import PRECISIONS
 from . import planner
 from .formulas import models
 
@@ -31,12 +32,6 @@ def figure(est: dict):
     title = (f"{est['model']} on {est['world_size']} x {est['gpu']}, ZeRO {est['stage']}: "
              f"{'fits' if est['fits'] else 'does not fit'}")
     return plots.plan_bars([est], est["gpu_memory_gb"], title, name="explorer")
-
-
-def png_bytes(fig, dpi: int = 90) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
-    return buffer.getvalue()
 
 
 def verdict(est: dict) -> str:
@@ -81,7 +76,7 @@ def make_controls(state: dict) -> dict:
         "gpu": widgets.Dropdown(options=list(planner.GPUS), value=state["gpu"], description="GPU"),
         "n_gpus_per_node": _slider("GPUs per node", state["n_gpus_per_node"], 16),
         "n_nodes": _slider("nodes", state["n_nodes"], 64),
-        "precision": widgets.ToggleButtons(options=list(ds_config.PRECISIONS), value=state["precision"],
+        "precision": widgets.ToggleButtons(options=list(PRECISIONS), value=state["precision"],
                                            description="precision", style=WIDE),
         "stage": widgets.ToggleButtons(options=[(str(s), s) for s in (0, 1, 2, 3)], value=state["stage"],
                                        description="ZeRO stage", style=WIDE),
@@ -114,7 +109,7 @@ class Explorer(widgets.VBox):
                    widgets.VBox([self.controls[n] for n in names[5:]])]
         self.children = [widgets.HBox(columns), self.verdict, self.chart, self.config_view]
         for control in self.controls.values():
-            control.observe(self._changed, names="value")
+            control.observe(lambda change: self.refresh(), names="value")
         self.refresh()
 
     @property
@@ -124,18 +119,12 @@ class Explorer(widgets.VBox):
     def __repr__(self) -> str:
         """The plain-text form a saved notebook shows where no live kernel draws the widget: the
         settings and the verdict, not the widget tree."""
-        try:
-            text = verdict(planner.estimate(**self.settings))
-        except ValueError as error:
-            text = f"✗ {error}"
-        return f"Memory explorer ({', '.join(f'{k}={v!r}' for k, v in self.settings.items())}):\n{text}"
-
-    def _changed(self, change) -> None:
-        self.refresh()
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
+        return f"Memory explorer ({settings}):\n{self.shown['verdict']}"
 
     def refresh(self) -> dict:
         """Recompute from the controls' values and update the views; returns what `render` gave."""
-        shown = render(self.settings)
+        self.shown = shown = render(self.settings)
         ok = shown["error"] is None
         colour = "#1a7f37" if ok and shown["estimate"]["fits"] else "#b3261e"
         first, *rest = html.escape(shown["verdict"]).split("\n")
@@ -143,7 +132,9 @@ class Explorer(widgets.VBox):
                               + "".join(f"<br>{line}" for line in rest) + "</div>")
         self.chart.layout.display = None if ok else "none"
         if ok:
-            self.chart.value = png_bytes(shown["figure"])
+            png = io.BytesIO()
+            shown["figure"].savefig(png, format="png", dpi=90)
+            self.chart.value = png.getvalue()
             self.config_view.value = ("<details open><summary>DeepSpeed config (JSON)</summary><pre>"
                                       f"{html.escape(shown['json'])}</pre></details>")
         else:
