@@ -9,7 +9,7 @@ and a CPU optimizer step. Where the bytes live is read from the engine (measured
 from __future__ import annotations
 
 from pathlib import Path
-from statistics import median_high as median   # the middle step (the higher of two), a step that ran
+from statistics import median_high   # the middle step (the higher of two): a step that really ran
 
 from .measured import measuring_trainer, split_by_side
 
@@ -44,8 +44,8 @@ def compare(data, zero_blocks: dict[str, dict], steps: int = 6, output_dir=".") 
 def rows(results: list[dict]) -> list[dict]:
     """A table: MB on each side, the optimizer that ran, median step time and its ratio to the first row
     (the first step of each run is left out: it includes one-off set-up)."""
-    base = median(results[0]["step_s"][1:])
+    base = median_high(results[0]["step_s"][1:])
     return [{"config": r["name"], "accelerator MB": r["accelerator_bytes"] / 1e6, "host MB": r["host_bytes"] / 1e6,
              "host tensors on": ",".join(r["host_devices"]) or "-", "optimizer": r["optimizer"],
-             "step ms": 1e3 * median(r["step_s"][1:]), "time vs first": median(r["step_s"][1:]) / base,
+             "step ms": 1e3 * median_high(r["step_s"][1:]), "time vs first": median_high(r["step_s"][1:]) / base,
              "final loss": r["losses"][-1]} for r in results]
