@@ -24,6 +24,7 @@ REMOVED_ZERO_KEYS = {
     "cpu_offload_use_pin_memory": "use 'pin_memory' inside offload_optimizer / offload_param",
 }
 REMOVED_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb"}
+ZERO_PLUS_PLUS = ("zero_quantized_gradients", "zero_quantized_weights")   # hpZ (zero_hpz_partition_size) runs anywhere
 
 
 class ConfigError(ValueError):
@@ -95,13 +96,26 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
 
 
 def validate(config: dict, *, device: str, world_size: int = 1) -> dict:
-    """Raise ConfigError naming the field if DeepSpeed would reject or misread `config`."""
+    """Raise ConfigError naming the key path if DeepSpeed would reject, misread or later fail on `config`.
+
+    Runs before any model or engine exists. DeepSpeed's own rules do most of the work: its pydantic
+    models of the config blocks, the keys and defaults its config parser reads, the signatures of its
+    optimizers and LR schedules, and finally its DeepSpeedConfig class itself (helpers.schema).
+    """
+    # Imported here: helpers.schema raises this module's ConfigError, and imports DeepSpeed.
+    from helpers.schema import check_blocks, check_optimizer, check_scheduler, check_top_level, check_with_deepspeed_config
+    if not isinstance(config, dict):
+        raise ConfigError(f"a DeepSpeed config is a JSON object (a dict), got {type(config).__name__} {config!r}")
     check_removed_keys(config)
+    check_top_level(config)
+    check_blocks(config)
     check_batch_sizes(config, world_size)
-    check_zero(config.get("zero_optimization", {}))
+    check_zero(config.get("zero_optimization", {}), device)
     check_precision(config, device)
-    check_zero_plus_plus(config.get("zero_optimization", {}), device)
+    check_rates(config)
     check_optimizer(config)
+    check_scheduler(config)
+    check_with_deepspeed_config(config)
     return config
 
 
@@ -116,13 +130,13 @@ def check_removed_keys(config: dict) -> None:
     for key, fix in removed_top_level_keys().items():
         if key in config:
             raise ConfigError(f"'{key}' was removed in DeepSpeed 0.19: {fix}")
-    zero = config.get("zero_optimization", {})
+    zero = config.get("zero_optimization")
     for key, fix in REMOVED_ZERO_KEYS.items():
-        if key in zero:
+        if isinstance(zero, dict) and key in zero:
             raise ConfigError(f"'zero_optimization.{key}' was removed: {fix}")
-    opt_type = str(config.get("optimizer", {}).get("type", "")).lower()
-    if opt_type in REMOVED_OPTIMIZERS:
-        raise ConfigError(f"optimizer.type={config['optimizer']['type']!r} (1-bit / 0-1 optimizers) was removed: "
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in REMOVED_OPTIMIZERS:
+        raise ConfigError(f"optimizer.type={optimizer['type']!r} (1-bit / 0-1 optimizers) was removed: "
                           "use 'AdamW' with 'communication_data_type' or ZeRO++ quantized communication")
 
 
@@ -139,27 +153,26 @@ def check_batch_sizes(config: dict, world_size: int) -> None:
             f"gradient_accumulation_steps ({accum}) x world size ({world_size}) = {micro * accum * world_size}")
     if train is None and micro is None:
         raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu")
+    if "steps_per_print" in config:
+        require_positive_int("steps_per_print", config["steps_per_print"])
 
 
-def check_zero(zero: dict) -> None:
+def check_zero(zero: dict, device: str) -> None:
+    """Rules DeepSpeed's ZeRO model does not hold: our code reads `stage` as written (so "2" or true will
+    not do), offload needs a stage that partitions, and nvme offload a path (else it fails at the first step)."""
     stage = zero.get("stage", 0)
-    if stage not in ZERO_STAGES:
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise ConfigError(f"zero_optimization.stage={stage!r} is not a ZeRO stage: use one of {ZERO_STAGES}")
     if "offload_optimizer" in zero and stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
     if "offload_param" in zero and stage != 3:
         raise ConfigError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is {stage})")
-
-
-ZERO_PLUS_PLUS = ("zero_quantized_gradients", "zero_quantized_weights")   # hpZ (zero_hpz_partition_size) runs anywhere
-
-
-def check_zero_plus_plus(zero: dict, device: str) -> None:
-    """ZeRO++'s quantized weights/gradients have CUDA kernels only: on a CPU DeepSpeed fails inside
-    initialize (weights) or at the first backward across nodes (gradients). Its third part,
-    hierarchical partitioning (zero_hpz_partition_size), is plain collectives and does run on a CPU."""
+    for block in ("offload_optimizer", "offload_param"):
+        if (zero.get(block) or {}).get("device") == "nvme" and not zero[block].get("nvme_path"):
+            raise ConfigError(f"zero_optimization.{block}.device is 'nvme' but nvme_path is not set: add "
+                              f"\"nvme_path\": \"/local_nvme\" (a directory on a fast local disk), or use device 'cpu'")
     used = [k for k in ZERO_PLUS_PLUS if zero.get(k)]
-    if used and device == "cpu":
+    if used and device == "cpu":   # CUDA kernels only: DeepSpeed fails inside initialize or at the first backward
         raise ConfigError(f"zero_optimization.{used[0]} (ZeRO++) is not implemented on a CPU: it needs a CUDA GPU; "
                           "remove it, or use communication_data_type for cheaper communication on a CPU")
 
@@ -174,23 +187,14 @@ def check_precision(config: dict, device: str) -> None:
                           "use precision 'bf16' or 'fp32' (fp16 needs a CUDA GPU)")
 
 
-def check_optimizer(config: dict) -> None:
-    lr = config.get("optimizer", {}).get("params", {}).get("lr")
-    if lr is not None and not lr > 0:
+def check_rates(config: dict) -> None:
+    """Values DeepSpeed accepts but that train nothing (lr 0) or misbehave (a negative clipping norm)."""
+    params = config.get("optimizer", {}).get("params", {})
+    lr = params.get("lr", 1) if isinstance(params, dict) else 1
+    if isinstance(lr, (int, float)) and lr <= 0:
         raise ConfigError(f"optimizer.params.lr={lr!r} must be positive")
-    sched = config.get("scheduler", {}).get("params", {})
-    if "warmup_max_lr" in sched and not sched["warmup_max_lr"] > 0:
-        raise ConfigError(f"scheduler.params.warmup_max_lr={sched['warmup_max_lr']!r} must be positive")
-    warmup = sched.get("warmup_num_steps", 1)
-    if not isinstance(warmup, int) or warmup < 1:
-        raise ConfigError(f"scheduler.params.warmup_num_steps={warmup!r} must be a positive integer "
-                          "(DeepSpeed's WarmupDecayLR divides by it): use 1 for no warmup")
-    if sched.get("total_num_steps", 1) < sched.get("warmup_num_steps", 0):
-        raise ConfigError(f"scheduler.params.total_num_steps={sched['total_num_steps']} is shorter than "
-                          f"warmup_num_steps={sched['warmup_num_steps']}: train longer or warm up less")
-    clip = config.get("gradient_clipping", 0.0)
-    if clip < 0:
-        raise ConfigError(f"gradient_clipping={clip} must be >= 0 (0 turns clipping off)")
+    if config.get("gradient_clipping", 0) < 0:
+        raise ConfigError(f"gradient_clipping={config['gradient_clipping']} must be >= 0 (0 turns clipping off)")
 
 
 def save_json(config: dict, path: str | Path) -> Path:
@@ -202,7 +206,24 @@ def save_json(config: dict, path: str | Path) -> Path:
 
 
 def load_json(path: str | Path) -> dict:
+    """A config file as a dict; a missing, empty, unreadable or malformed file is a ConfigError naming
+    the file (and the line and column of a JSON mistake)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    return json.loads(path.read_text())
+        raise ConfigError(f"config file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} could not be read as text: {err}") from None
+    if not text.strip():
+        raise ConfigError(f"config file {path} is empty: write a DeepSpeed config (a JSON object) into it, "
+                          "e.g. a copy of configs/zero0.json")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"config file {path}, line {err.lineno} column {err.colno}: not valid JSON "
+                          f"({err.msg})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"config file {path} holds a JSON {type(config).__name__}, not an object: "
+                          "a DeepSpeed config is {...} with keys such as train_batch_size")
+    return config

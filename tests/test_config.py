@@ -50,7 +50,7 @@ def test_deepspeed_accepts_the_built_config():
     (lambda c: c["zero_optimization"].update(stage=0, offload_optimizer={"device": "cpu"}), "cpu", 1,
      "offload_optimizer"),
     (lambda c: c["scheduler"]["params"].update(total_num_steps=1), "cpu", 1, "total_num_steps=1"),
-    (lambda c: c["scheduler"]["params"].update(warmup_num_steps=0), "cpu", 1, "warmup_num_steps=0"),
+    (lambda c: c["scheduler"]["params"].update(warmup_num_steps=0), "cpu", 1, "warmup_num_steps must be a positive integer"),
     (lambda c: c["zero_optimization"].update(stage=3, zero_quantized_weights=True), "cpu", 1,
      "zero_optimization.zero_quantized_weights"),
     (lambda c: c.update(gradient_clipping=-1.0), "cpu", 1, "gradient_clipping=-1.0"),
@@ -61,6 +61,69 @@ def test_bad_config_names_the_field(mutate, device, world, field):
     with pytest.raises(ConfigError) as err:
         validate(cfg, device=device, world_size=world)
     assert field in str(err.value)
+
+
+# The shapes a new user gets wrong (issue 16): each one is refused with the key path, what it got and
+# what it expects, before any engine exists. Without the validator each of these ended in a bare
+# TypeError / AttributeError inside DeepSpeed, a failure at the first step, or a silently different run.
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: c.update(gradient_clipping="1.0"), "gradient_clipping='1.0' (str) must be a number"),
+    (lambda c: c["optimizer"]["params"].update(lr="3e-4"), "optimizer.params.lr='3e-4' (str) must be a number"),
+    (lambda c: c.update(zero_optimization=2), "zero_optimization=2 (int) must be a JSON object"),
+    (lambda c: c.update(bf16=True), "bf16=True (bool) must be a JSON object"),
+    (lambda c: c["zero_optimization"].update(stag=3), "unknown key 'zero_optimization.stag' (did you mean 'stage'?)"),
+    (lambda c: c["zero_optimization"].update(offload_optimizer={"devce": "cpu"}),
+     "unknown key 'zero_optimization.offload_optimizer.devce' (did you mean 'device'?)"),
+    (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "gpu"}),
+     "zero_optimization.offload_optimizer.device='gpu': Input should be 'none', 'cpu' or 'nvme'"),
+    (lambda c: c["zero_optimization"].update(stage=2, offload_optimizer={"device": "nvme"}), "nvme_path is not set"),
+    (lambda c: c["zero_optimization"].update(stage="2"), "zero_optimization.stage='2'"),
+    (lambda c: c.update(bf16={"enabled": "false"}), "bf16.enabled='false' (str) must be a bool"),
+    (lambda c: c["optimizer"]["params"].update(betas=[0.9]), "optimizer.params.betas=[0.9] (list) must be a list of 2"),
+    (lambda c: c["optimizer"]["params"].update(betas=[0.9, 1.5]), "Invalid beta parameter at index 1: 1.5"),
+    (lambda c: c["optimizer"]["params"].update(weight_decy=0.1), "'optimizer.params.weight_decy' for AdamW (did you mean 'weight_decay'?)"),
+    (lambda c: c["optimizer"].update(type="AdamWW"), "optimizer.type='AdamWW' is not an optimizer DeepSpeed can build (did you mean 'AdamW'?)"),
+    (lambda c: c.pop("optimizer"), "no 'optimizer' block"),
+    (lambda c: c["scheduler"].update(type="WarmupDecay"), "(did you mean 'WarmupDecayLR'?)"),
+    (lambda c: c["scheduler"]["params"].update(warmup_type="cosine"), "scheduler.params.warmup_type='cosine'"),
+    (lambda c: c["scheduler"]["params"].pop("total_num_steps"), "scheduler.params.total_num_steps is missing"),
+    (lambda c: c.update(gradient_acumulation_steps=2), "unknown top-level key 'gradient_acumulation_steps', which "
+                                                        "DeepSpeed would ignore (did you mean 'gradient_accumulation_steps'?)"),
+    (lambda c: c.update(steps_per_print="10"), "steps_per_print='10' must be a positive integer"),
+])
+def test_wrong_shapes_are_named_with_what_was_expected(mutate, message):
+    cfg = good()
+    mutate(cfg)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, device="cpu")
+    assert message in str(err.value)
+
+
+def test_a_config_that_is_not_a_dict_is_refused():
+    with pytest.raises(ConfigError, match="a DeepSpeed config is a JSON object"):
+        validate(["train_batch_size", 8], device="cpu")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "is empty"),
+    ("  \n", "is empty"),
+    # line 2 is  "zero_optimization": {"stage": 2,}}  and its 35th character is the brace after the stray comma
+    ('{"train_batch_size": 8,\n "zero_optimization": {"stage": 2,}}', "line 2 column 35: not valid JSON"),
+    ("[1, 2]", "holds a JSON list, not an object"),
+])
+def test_bad_config_files_are_named_with_line_and_column(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_json(path)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_a_file_that_is_not_text_is_named(tmp_path):
+    path = tmp_path / "weights.json"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match=f"config file {path} could not be read as text"):
+        load_json(path)
 
 
 def test_unknown_precision_is_refused():

@@ -1,6 +1,9 @@
 """helpers/programs/train.py: the trainer as a script on 2 CPU ranks under torchrun and the deepspeed launcher,
 with metrics, TensorBoard logs and checkpoints; the 2-rank ZeRO-3 checkpoint exported to HF."""
 import json
+import os
+import subprocess
+import sys
 
 import deepspeed
 import pytest
@@ -166,3 +169,28 @@ def test_missing_config_is_named_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="nope.json not found"):
         run_program("train", 2, out_dir=tmp_path / "never", config="configs/nope.json")
     assert not (tmp_path / "never").exists()
+
+
+# ---- a mistake in the input is one line on stderr and a non-zero exit, never a traceback (issue 16) ----
+
+def run_script(*args: str, cwd) -> subprocess.CompletedProcess:
+    from helpers import with_repo_on_path
+    return subprocess.run([sys.executable, "-m", "helpers.programs.train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=with_repo_on_path(dict(os.environ)), check=False)
+
+
+@pytest.mark.parametrize("write, extra, message", [
+    (lambda p: p.write_text('{"train_batch_size": 8,\n "zero_optimization": {"stage": 2,}}'), [],
+     "bad.json, line 2 column 35: not valid JSON"),
+    (lambda p: p.write_text(""), [], "bad.json is empty"),
+    (lambda p: p.write_text(json.dumps({**presets.preset("zero2"), "zero_optimization": {"stag": 2}})), [],
+     "unknown key 'zero_optimization.stag' (did you mean 'stage'?)"),
+    (lambda p: p.write_text(json.dumps(presets.preset("zero2"))), ["--resume-from", "no/such/dir"],
+     "no DeepSpeed checkpoint in no/such/dir"),
+])
+def test_bad_input_is_one_line_and_exit_status_1(tmp_path, write, extra, message):
+    write(tmp_path / "bad.json")
+    done = run_script("--config", str(tmp_path / "bad.json"), "--output-dir", str(tmp_path / "out"), *extra, cwd=tmp_path)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert len(errors) == 1 and message in errors[0], done.stderr

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from helpers.config import ConfigError, load_json
+from helpers.checkpoints import CheckpointCorruptError, CheckpointNotFoundError
+from helpers.config import ConfigError, load_json, validate
 
 # Blocks the trainer builds itself from its arguments, adding what it needs (torch's AdamW on a CPU for
 # bitwise-exact resumes; its offload settings); every other top-level key is passed through as it is.
@@ -147,9 +149,9 @@ def unhonoured(wanted: dict, used: dict, prefix: str = "") -> list[str]:
 def train(a: argparse.Namespace) -> dict:
     """Build the trainer from the file, train to --steps with checkpoints, and report the run."""
     from helpers.data import SyntheticTextDataset
-    from helpers.runtime import process_rank, run_dir, world_size
+    from helpers.runtime import detect, process_rank, run_dir, world_size
     from helpers.trainer import AdvancedDeepSpeedTrainer
-    config = load_json(a.config)
+    config = validate(load_json(a.config), device=detect().device, world_size=world_size())
     arguments = trainer_arguments(config, world_size())   # refuse a bad file before building anything
     steps = run_length(config, a.steps)
     output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
@@ -161,7 +163,7 @@ def train(a: argparse.Namespace) -> dict:
     problems = unhonoured(config, trainer.config)
     if problems:
         raise ConfigError("the trainer cannot run this file as written (set these to the trainer's values, "
-                          "or train with the file through deepspeed.initialize directly):\n  " + "\n  ".join(problems))
+                          "or train with the file through deepspeed.initialize directly): " + "; ".join(problems))
     checkpoint = _train_with_checkpoints(trainer, steps, a.save_every, output_dir / "checkpoints",
                                          progress=process_rank() == 0)
     return {"config": str(a.config), "world_size": trainer.engine.world_size, "rank": process_rank(),
@@ -204,5 +206,14 @@ def main(argv=None) -> dict:
     return result
 
 
+def cli(argv=None) -> None:
+    """The script's entry point: a mistake in the input (config, checkpoint) is one line on stderr and
+    exit status 1, not a traceback; anything else is a bug and keeps its traceback."""
+    try:
+        main(argv)
+    except (ConfigError, CheckpointNotFoundError, CheckpointCorruptError) as err:
+        sys.exit(f"error: {err}")
+
+
 if __name__ == "__main__":
-    main()
+    cli()
