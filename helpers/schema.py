@@ -55,18 +55,8 @@ class RecordingDict(dict):
         self.reads.setdefault(key, None)
         return super().__getitem__(key)
 
-    def keys(self):   # DeepSpeed also asks `KEY in param_dict.keys()`
-        return RecordingKeys(self)
-
-
-class RecordingKeys(list):
-    def __init__(self, owner: RecordingDict):
-        super().__init__(dict.keys(owner))
-        self.owner = owner
-
-    def __contains__(self, key):
-        self.owner.reads.setdefault(key, None)
-        return super().__contains__(key)
+    def keys(self):   # DeepSpeed also asks `KEY in param_dict.keys()`: answer with the recording dict itself
+        return self
 
 
 @functools.cache
