@@ -63,7 +63,8 @@ class RecordingDict(dict):
 def deepspeed_top_level_keys() -> dict:
     """Top-level key -> the default DeepSpeed's config parser reads it with (None: no default given)."""
     from deepspeed.runtime.config import DeepSpeedConfig
-    recorded = RecordingDict({"train_batch_size": 1})
+    # Only per-rank batch sizes: DeepSpeed multiplies them by the world size of the process group, if any.
+    recorded = RecordingDict({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
     DeepSpeedConfig(recorded)
     return recorded.reads
 
