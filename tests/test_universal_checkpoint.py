@@ -16,12 +16,12 @@ from helpers import presets
 from helpers.batches import ResumableBatches
 from helpers.checkpoints import CheckpointMismatchError
 from helpers.data import SyntheticTextDataset
-from helpers.launch import run_program
+from helpers.launch import flags, run_program
 from helpers.programs import train
 
 DATA = dict(seq_len=16, n_samples=64, eval_samples=16)
 STEPS, HALF = 6, 3
-# Measured here: 0.0, bitwise. The straight run averages two ranks' gradients, (g0 + g1) / 2; the continuation
+# Measured here at ZeRO 2 and 1: 0.0, bitwise. The straight run averages two ranks' gradients, (g0 + g1) / 2; the continuation
 # accumulates g0 / 2 + g1 / 2 (DeepSpeed scales each micro-batch's loss by 1/2), and halving is exact in
 # floating point. Still a tolerance: the continuation runs with another thread count than the two ranks
 # (OMP_NUM_THREADS), which on another CPU may change a matmul's summation order. A continuation that lost
@@ -29,13 +29,16 @@ STEPS, HALF = 6, 3
 TOLERANCE = 1e-5
 
 
+def two_ranks(config: str, out):
+    """A straight run on 2 ranks, with a checkpoint after HALF steps (returned) and at the end."""
+    ranks = run_program("train", 2, out_dir=out, config=presets.CONFIG_DIR / config, save_every=HALF, steps=STEPS,
+                        **DATA)
+    return out / "checkpoints" / f"step{HALF}", ranks
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The straight run: 2 ranks at ZeRO 2, a checkpoint after HALF steps and at the end."""
-    out = tmp_path_factory.mktemp("zero2_two_ranks")
-    ranks = run_program("train", 2, out_dir=out, config=presets.CONFIG_DIR / "zero2.json", save_every=HALF,
-                        steps=STEPS, **DATA)
-    return out / "checkpoints" / f"step{HALF}", ranks
+    return two_ranks("zero2.json", tmp_path_factory.mktemp("zero2_two_ranks"))
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +59,22 @@ def continue_on_one_rank(resume_from, stage: int, tmp_path) -> dict:
     path = tmp_path / f"zero{stage}_one_rank.json"
     path.write_text(json.dumps(config))
     return train.main(["--config", str(path), "--steps", str(STEPS), "--output-dir", str(tmp_path / "run"),
-                       "--resume-from", str(resume_from), *train_flags()])
-
-
-def train_flags() -> list[str]:
-    return [f"--{k.replace('_', '-')}={v}" for k, v in DATA.items()]
+                       "--resume-from", str(resume_from), *flags(DATA)])
 
 
 @pytest.mark.parametrize("stage", [2, 1])
 def test_two_rank_zero2_checkpoint_continues_on_one_rank(straight, universal, stage, tmp_path):
     _, ranks = straight
-    resumed = continue_on_one_rank(universal, stage, tmp_path)
+    assert_continues(ranks, continue_on_one_rank(universal, stage, tmp_path))
+
+
+def test_two_rank_zero0_checkpoint_continues_on_one_rank_unconverted(tmp_path):
+    """ZeRO 0 partitions nothing: its checkpoint holds the whole optimizer state and loads on any world size."""
+    tag_dir, ranks = two_ranks("zero0.json", tmp_path / "two_ranks")
+    assert_continues(ranks, continue_on_one_rank(tag_dir, 0, tmp_path))
+
+
+def assert_continues(ranks: list[dict], resumed: dict) -> None:
     rest = resumed["history"][HALF:]
     assert [m["step"] for m in rest] == list(range(HALF + 1, STEPS + 1))
     assert [m["lr"] for m in rest] == [m["lr"] for m in ranks[0]["history"][HALF:]]
