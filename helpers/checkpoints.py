@@ -108,7 +108,8 @@ def saved_settings(tag_dir: Path) -> dict:
     saved = {"zero stage": config.get("zero_optimization", {}).get("stage", 0), "world size": state["dp_world_size"],
              "precision": "bf16" if config.get("bf16", {}).get("enabled") else
                           "fp16" if config.get("fp16", {}).get("enabled") else "fp32",
-             "shapes": parameter_shapes(state), "universal": (tag_dir / "zero").is_dir()}
+             "shapes": parameter_shapes(state), "universal": (tag_dir / "zero").is_dir(),
+             "batches": state.get("batches")}   # the trainer's data position (client_state)
     if not saved["universal"]:
         check_complete(tag_dir, saved["zero stage"], saved["world size"])
     return saved

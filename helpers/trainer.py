@@ -230,10 +230,10 @@ class AdvancedDeepSpeedTrainer:
         """Restore everything `save_checkpoint` saved; never silently starts fresh. First the checkpoint's
         settings (`saved`, read here when not given) are checked against this run's."""
         tag_dir = find_checkpoint(directory) if tag is None else Path(directory) / tag
-        checkpoints.check_settings(tag_dir, saved or checkpoints.saved_settings(tag_dir), self._settings())
-        state = checkpoints.load(self.engine, tag_dir)
-        self.batches.load_state_dict(state["batches"])
-        self.history = list(state["history"])
+        saved = saved or checkpoints.saved_settings(tag_dir)
+        checkpoints.check_settings(tag_dir, saved, self._settings())
+        self.batches.load_state_dict(saved["batches"])   # also before the engine loads: it may refuse the position
+        self.history = list(checkpoints.load(self.engine, tag_dir)["history"])
         return tag_dir
 
     def _settings(self) -> dict:
