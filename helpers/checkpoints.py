@@ -132,10 +132,11 @@ def check_settings(tag_dir: Path, saved: dict, run: dict) -> None:
     """Raise CheckpointMismatchError naming every setting in which `run` differs from the checkpoint, and
     how to proceed, before DeepSpeed loads anything (it would fail with a misleading error, or worse not)."""
     stages = {saved["zero stage"], run["zero stage"]}
-    # What DeepSpeed 0.19 loads on another world size: a ZeRO-0 checkpoint (nothing is partitioned) and a
-    # universal one (full per-parameter states), which also loads at another stage between ZeRO 1 and 2.
-    movable = ({"world size", "zero stage"} if stages <= {1, 2} else {"world size"}) if saved["universal"] else \
-        {"world size"} if stages == {0} else set()
+    movable = set()   # what DeepSpeed 0.19 loads under other settings (tests/test_universal_checkpoint.py)
+    if saved["universal"]:   # full per-parameter states: any world size, and another stage between ZeRO 1 and 2
+        movable = {"world size", "zero stage"} if stages <= {1, 2} else {"world size"}
+    elif stages == {0}:   # nothing is partitioned: the whole optimizer state is in the model-states file
+        movable = {"world size"}
     differ = [f"{k}: checkpoint {saved[k]}, this run {run[k]}" for k in ("zero stage", "world size", "precision",
               "universal") if k not in movable and saved[k] != run[k]]
     shapes = [f"{n}: checkpoint {saved['shapes'].get(n)}, this run {run['shapes'].get(n)}"
