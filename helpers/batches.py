@@ -45,15 +45,15 @@ class ResumableBatches:
     def load_state_dict(self, state: dict) -> None:
         """Continue after the last sample the checkpoint's ranks drew: position p of W ranks x micro_batch mb
         is p*W*mb samples into the order, the same on any (W', mb') that divides it with the same epoch."""
-        mine = {"seed": self.seed, "n_samples": len(self.tokens)}
-        if {k: state[k] for k in mine} != mine:
-            raise ValueError(f"checkpoint's data order {({k: state[k] for k in mine})} differs from this run's "
-                             f"{mine}: resume with the same seed and dataset size")
+        mine, saved = {"seed": self.seed, "n_samples": len(self.tokens)}, {k: state[k] for k in ("seed", "n_samples")}
+        if saved != mine:
+            raise ValueError(f"checkpoint's data order {saved} differs from this run's {mine}: "
+                             "resume with the same seed and dataset size")
         step, saved_step = self.micro_batch * self.world_size, state["micro_batch"] * state["world_size"]
         consumed, epoch = state["position"] * saved_step, len(self.tokens) // saved_step * saved_step
         if consumed % step or epoch != self.batches_per_epoch * step:
-            raise ValueError(f"the checkpoint's ranks drew {consumed} samples ({state['world_size']} ranks x micro_batch "
-                             f"{state['micro_batch']}), epochs of {epoch}: {self.world_size} ranks x micro_batch "
+            raise ValueError(f"the checkpoint's {state['world_size']} ranks x micro_batch {state['micro_batch']} drew "
+                             f"{consumed} samples, in epochs of {epoch}: {self.world_size} ranks x micro_batch "
                              f"{self.micro_batch} cannot continue there (epochs of {self.batches_per_epoch * step}); "
                              "choose a micro_batch x ranks that divides both")
         self.position = consumed // step

@@ -88,8 +88,8 @@ def find_checkpoint(directory: str | Path, zero_stage: int | None = None, world_
 def check_complete(tag_dir: Path, zero_stage: int, world_size: int) -> None:
     missing = missing_files(tag_dir, zero_stage, world_size)
     if missing:
-        raise CheckpointNotFoundError(f"checkpoint {tag_dir} is incomplete, missing {missing}: it was not fully written; "
-                                      f"resume from another tag (available: {available_tags(tag_dir.parent)})")
+        raise CheckpointNotFoundError(f"checkpoint {tag_dir} is incomplete, missing {missing}: it was not fully "
+                                      f"written; resume from another tag (available: {available_tags(tag_dir.parent)})")
 
 
 def saved_settings(tag_dir: Path) -> dict:
@@ -179,4 +179,5 @@ def load(engine, tag_dir: Path) -> dict:
 
 def unreadable(tag_dir: Path, err: Exception) -> CheckpointCorruptError:
     return CheckpointCorruptError(f"checkpoint {tag_dir} could not be read ({type(err).__name__}: {err}): a file is "
-                                  f"truncated or corrupt; resume from another tag (available: {available_tags(tag_dir.parent)})")
+                                  f"truncated or corrupt; resume from another tag "
+                                  f"(available: {available_tags(tag_dir.parent)})")

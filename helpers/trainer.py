@@ -239,7 +239,8 @@ class AdvancedDeepSpeedTrainer:
     def _settings(self) -> dict:
         """This run's side of checkpoints.check_settings (under ZeRO 3 a parameter's own shape is its partition's)."""
         return {"zero stage": self.config["zero_optimization"]["stage"], "world size": self.engine.world_size,
-                "precision": self.precision, "universal": self.config.get("checkpoint", {}).get("load_universal", False),
+                "precision": self.precision,
+                "universal": self.config.get("checkpoint", {}).get("load_universal", False),
                 "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.engine.module.named_parameters()}}
 
     def generate(self, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:

@@ -148,7 +148,8 @@ def test_complete_zero0_checkpoint_at_zero2_is_a_mismatch_not_incomplete(zero0_c
 
 
 def test_fp32_checkpoint_as_bf16_is_a_mismatch(zero0_checkpoint, data, tmp_path):
-    with pytest.raises(CheckpointMismatchError, match=f"{zero0_checkpoint / 'step1'} was written with other settings than this run's: "
+    tag_dir = zero0_checkpoint / "step1"
+    with pytest.raises(CheckpointMismatchError, match=f"{tag_dir} was written with other settings than this run's: "
                                                       "precision: checkpoint fp32, this run bf16. To proceed, resume "
                                                       "with the checkpoint's settings$"):
         make(data, tmp_path, zero_stage=0, precision="bf16", resume_from=zero0_checkpoint)
