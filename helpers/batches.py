@@ -43,9 +43,17 @@ class ResumableBatches:
                 "world_size": self.world_size, "n_samples": len(self.tokens)}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = {k: v for k, v in self.state_dict().items() if k != "position"}
-        saved = {k: state[k] for k in mine}
+        """Continue after the last sample the checkpoint's ranks drew: position p of W ranks x micro_batch mb
+        is p*W*mb samples into the order, the same on any (W', mb') that divides it with the same epoch."""
+        mine, saved = {"seed": self.seed, "n_samples": len(self.tokens)}, {k: state[k] for k in ("seed", "n_samples")}
         if saved != mine:
             raise ValueError(f"checkpoint's data order {saved} differs from this run's {mine}: "
-                             "resume with the same seed, micro_batch, number of ranks and dataset size")
-        self.position = state["position"]
+                             "resume with the same seed and dataset size")
+        step, saved_step = self.micro_batch * self.world_size, state["micro_batch"] * state["world_size"]
+        consumed, epoch = state["position"] * saved_step, len(self.tokens) // saved_step * saved_step
+        if consumed % step or epoch != self.batches_per_epoch * step:
+            raise ValueError(f"the checkpoint's {state['world_size']} ranks x micro_batch {state['micro_batch']} drew "
+                             f"{consumed} samples, in epochs of {epoch}: {self.world_size} ranks x micro_batch "
+                             f"{self.micro_batch} cannot continue there (epochs of {self.batches_per_epoch * step}); "
+                             "choose a micro_batch x ranks that divides both")
+        self.position = consumed // step

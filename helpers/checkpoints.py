@@ -5,8 +5,9 @@ disk, before the other ranks have finished theirs (engine.py: no barrier before 
 write itself is not atomic. A crash during a save could leave `latest` naming an incomplete
 checkpoint, or an empty `latest`. Here the ranks save with save_latest=False, wait for each other,
 and rank 0 replaces `latest` atomically (write a temporary file, then os.replace). On load, the
-checkpoint `latest` names is checked for every rank's files before DeepSpeed reads it, and a file
-DeepSpeed cannot read is reported as such: never a silent fresh start.
+checkpoint `latest` names is checked against the run (ZeRO stage, world size, precision, model shape)
+and for every rank's files before DeepSpeed reads it, and a file DeepSpeed cannot read is reported as
+such: never a silent fresh start.
 """
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint's files exist but DeepSpeed cannot read them."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written with other settings (ZeRO stage, world size, precision, model) than the run's."""
 
 
 def save(engine, directory: str | Path, tag: str, client_state: dict) -> Path:
@@ -57,10 +62,12 @@ def missing_files(tag_dir: Path, zero_stage: int, world_size: int) -> list[str]:
 
 
 def find_checkpoint(directory: str | Path, zero_stage: int | None = None, world_size: int = 1) -> Path:
-    """The checkpoint directory `latest` points to, checked for completeness when zero_stage is given;
-    a clear error naming what is wrong otherwise."""
+    """The checkpoint directory `latest` points to (or `directory` itself, when it is one, e.g. the output
+    of ds_to_universal), checked for completeness when zero_stage is given; a clear error otherwise."""
     directory = Path(directory)
     latest = directory / "latest"
+    if not latest.is_file() and any(directory.glob("*model_states.pt")):
+        return directory
     if not latest.is_file():
         raise CheckpointNotFoundError(
             f"no DeepSpeed checkpoint in {directory} (no 'latest' file): pass the directory "
@@ -73,11 +80,85 @@ def find_checkpoint(directory: str | Path, zero_stage: int | None = None, world_
     if not tag_dir.is_dir():
         raise CheckpointNotFoundError(f"{latest} names '{tag}', which is missing from {directory} "
                                       f"(available: {available_tags(directory)})")
-    missing = missing_files(tag_dir, zero_stage, world_size) if zero_stage is not None else []
+    if zero_stage is not None:
+        check_complete(tag_dir, zero_stage, world_size)
+    return tag_dir
+
+
+def check_complete(tag_dir: Path, zero_stage: int, world_size: int) -> None:
+    missing = missing_files(tag_dir, zero_stage, world_size)
     if missing:
         raise CheckpointNotFoundError(f"checkpoint {tag_dir} is incomplete, missing {missing}: it was not fully "
-                                      f"written; resume from another tag (available: {available_tags(directory)})")
-    return tag_dir
+                                      f"written; resume from another tag (available: {available_tags(tag_dir.parent)})")
+
+
+def saved_settings(tag_dir: Path) -> dict:
+    """What the checkpoint was written with, from DeepSpeed's model-states file, after checking that the
+    files of that ZeRO stage and world size are all there. `universal`: ds_to_universal's output, whose
+    zero/ folder holds every parameter's full optimizer state."""
+    import torch
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        check_complete(tag_dir, 0, 1)   # names the missing file
+    try:
+        state = torch.load(files[0], map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+        raise unreadable(tag_dir, err) from err
+    config = state["ds_config"]
+    saved = {"zero stage": config.get("zero_optimization", {}).get("stage", 0), "world size": state["dp_world_size"],
+             "precision": "bf16" if config.get("bf16", {}).get("enabled") else
+                          "fp16" if config.get("fp16", {}).get("enabled") else "fp32",
+             "shapes": parameter_shapes(state), "universal": (tag_dir / "zero").is_dir(),
+             "batches": state.get("batches")}   # the trainer's data position (client_state)
+    if not saved["universal"]:
+        check_complete(tag_dir, saved["zero stage"], saved["world size"])
+    return saved
+
+
+def parameter_shapes(state: dict) -> dict:
+    """name -> shape of every parameter, as named_parameters() names them: ZeRO >= 1 saves this list; at
+    ZeRO 0 the module's state dict, in which a tied weight (GPT-2's lm_head) shares the first name's storage."""
+    if state.get("param_shapes"):
+        return {name: tuple(shape) for group in state["param_shapes"] for name, shape in group.items()}
+    shapes, storages = {}, set()
+    for name, tensor in state["module"].items():
+        if tensor.untyped_storage().data_ptr() not in storages:
+            storages.add(tensor.untyped_storage().data_ptr())
+            shapes[name] = tuple(tensor.shape)
+    return shapes
+
+
+def check_settings(tag_dir: Path, saved: dict, run: dict) -> None:
+    """Raise CheckpointMismatchError naming every setting in which `run` differs from the checkpoint, and
+    how to proceed, before DeepSpeed loads anything (it would fail with a misleading error, or worse not)."""
+    stages = {saved["zero stage"], run["zero stage"]}
+    movable = set()   # what DeepSpeed 0.19 loads under other settings (tests/test_universal_checkpoint.py)
+    if saved["universal"]:   # full per-parameter states: any world size, and another stage between ZeRO 1 and 2
+        movable = {"world size", "zero stage"} if stages <= {1, 2} else {"world size"}
+    elif stages == {0}:   # nothing is partitioned: the whole optimizer state is in the model-states file
+        movable = {"world size"}
+    differ = [f"{k}: checkpoint {saved[k]}, this run {run[k]}" for k in ("zero stage", "world size", "precision",
+              "universal") if k not in movable and saved[k] != run[k]]
+    shapes = [f"{n}: checkpoint {saved['shapes'].get(n)}, this run {run['shapes'].get(n)}"
+              for n in {**saved["shapes"], **run["shapes"]} if saved["shapes"].get(n) != run["shapes"].get(n)]
+    if shapes:
+        differ.append(f"model shape: {len(shapes)} parameters differ, e.g. {shapes[0]} (build the model the "
+                      "checkpoint was written with: model_size, n_positions, vocabulary)")
+    if not differ:
+        return
+    fix = "resume with the checkpoint's settings"
+    if len(stages) == 2 and not stages <= {1, 2}:
+        fix += ("; DeepSpeed 0.19 cannot move a checkpoint between these stages: ds_to_universal finds no optimizer "
+                "partitions in a ZeRO-0 checkpoint (\"can't find *_optim_states.pt files\"), a ZeRO-0 engine reads its "
+                "optimizer state from the model-states file, where ZeRO 1-3 store none ('NoneType' object has no "
+                "attribute 'copy'), and ZeRO 3 names its model-states files per rank, so a universal checkpoint "
+                "fails between ZeRO 1/2 and 3 on `assert len(self.ckpt_list) > 0`")
+    elif any(d.startswith(("zero stage", "world size")) for d in differ):
+        fix += (", or, to change the ZeRO stage (between 1 and 2) or the world size, convert it to a universal "
+                f"checkpoint and resume from that: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+                f"{tag_dir} --output_folder {tag_dir}_universal --inject_missing_state")
+    raise CheckpointMismatchError(f"checkpoint {tag_dir} was written with other settings than this run's: "
+                                  f"{'; '.join(differ)}. To proceed, {fix}")
 
 
 def available_tags(directory: Path) -> list[str]:
@@ -90,9 +171,13 @@ def load(engine, tag_dir: Path) -> dict:
     try:
         path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
-        raise CheckpointCorruptError(f"checkpoint {tag_dir} could not be read ({type(err).__name__}: {err}): a file "
-                                     f"is truncated or corrupt; resume from another tag "
-                                     f"(available: {available_tags(tag_dir.parent)})") from err
+        raise unreadable(tag_dir, err) from err
     if path is None:   # DeepSpeed only warns here; a fresh start would lose the run
         raise CheckpointNotFoundError(f"DeepSpeed could not load a checkpoint from {tag_dir}")
     return client_state
+
+
+def unreadable(tag_dir: Path, err: Exception) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"checkpoint {tag_dir} could not be read ({type(err).__name__}: {err}): a file is "
+                                  f"truncated or corrupt; resume from another tag "
+                                  f"(available: {available_tags(tag_dir.parent)})")

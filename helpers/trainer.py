@@ -12,7 +12,8 @@ import torch
 from transformers import set_seed
 
 from . import checkpoints
-from .checkpoints import CheckpointCorruptError, CheckpointNotFoundError, find_checkpoint   # noqa: F401 (public here too)
+from .checkpoints import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,   # noqa: F401
+                          find_checkpoint)   # (public here too)
 from .batches import ResumableBatches
 from .config import build_config, validate
 from .memory.measured import peak_memory
@@ -78,7 +79,11 @@ class AdvancedDeepSpeedTrainer:
         self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
         self.seq_len, self.n_positions = train_data.seq_len, n_positions or train_data.seq_len
         self._check_model(model_size)
-        resume_dir = find_checkpoint(resume_from, zero_stage, world_size()) if resume_from is not None else None
+        resume_dir = find_checkpoint(resume_from) if resume_from is not None else None
+        saved = checkpoints.saved_settings(resume_dir) if resume_dir is not None else None
+        if saved and saved["universal"]:   # DeepSpeed reads ds_to_universal's zero/ folder only when told to
+            config_extra = {**(config_extra or {}), "checkpoint": {**(config_extra or {}).get("checkpoint", {}),
+                                                                   "load_universal": True}}
         self.output_dir = Path(output_dir) if output_dir is not None else run_dir("trainer")
         self.name, self.grad_accum, self.gradient_checkpointing = name, grad_accum, gradient_checkpointing
         self.tensorboard_dir = self.output_dir / "tensorboard"
@@ -92,7 +97,7 @@ class AdvancedDeepSpeedTrainer:
         self.tokenizer, self.history = train_data.tokenizer, []
         self.engine = self._build_engine(train_data.vocab_size, seed)   # the first expensive step
         if resume_dir is not None:
-            self.load_checkpoint(resume_dir.parent, tag=resume_dir.name)
+            self.load_checkpoint(resume_dir.parent, tag=resume_dir.name, saved=saved)
 
     def _check_model(self, asked_size: str) -> None:
         if self.model_size not in MODEL_SIZES:
@@ -221,15 +226,22 @@ class AdvancedDeepSpeedTrainer:
         state = {"batches": self.batches.state_dict(), "history": self.history}
         return checkpoints.save(self.engine, directory, f"step{self.step}", state)
 
-    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> Path:
-        """Restore everything `save_checkpoint` saved; never silently starts fresh."""
-        stage = self.config["zero_optimization"]["stage"]
-        tag_dir = (find_checkpoint(directory, stage, self.engine.world_size) if tag is None
-                   else Path(directory) / tag)
-        state = checkpoints.load(self.engine, tag_dir)
-        self.batches.load_state_dict(state["batches"])
-        self.history = list(state["history"])
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None, saved: dict | None = None) -> Path:
+        """Restore everything `save_checkpoint` saved; never silently starts fresh. First the checkpoint's
+        settings (`saved`, read here when not given) are checked against this run's."""
+        tag_dir = find_checkpoint(directory) if tag is None else Path(directory) / tag
+        saved = saved or checkpoints.saved_settings(tag_dir)
+        checkpoints.check_settings(tag_dir, saved, self._settings())
+        self.batches.load_state_dict(saved["batches"])   # also before the engine loads: it may refuse the position
+        self.history = list(checkpoints.load(self.engine, tag_dir)["history"])
         return tag_dir
+
+    def _settings(self) -> dict:
+        """This run's side of checkpoints.check_settings (under ZeRO 3 a parameter's own shape is its partition's)."""
+        return {"zero stage": self.config["zero_optimization"]["stage"], "world size": self.engine.world_size,
+                "precision": self.precision,
+                "universal": self.config.get("checkpoint", {}).get("load_universal", False),
+                "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.engine.module.named_parameters()}}
 
     def generate(self, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:
         self.engine.eval()
