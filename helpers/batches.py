@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from helpers.checkpoints import CheckpointMismatchError
 from helpers.config import require_positive_int
 
 
@@ -47,13 +48,13 @@ class ResumableBatches:
         is p*W*mb samples into the order, the same on any (W', mb') that divides it with the same epoch."""
         mine, saved = {"seed": self.seed, "n_samples": len(self.tokens)}, {k: state[k] for k in ("seed", "n_samples")}
         if saved != mine:
-            raise ValueError(f"checkpoint's data order {saved} differs from this run's {mine}: "
-                             "resume with the same seed and dataset size")
+            raise CheckpointMismatchError(f"checkpoint's data order {saved} differs from this run's {mine}: "
+                                          "resume with the same seed and dataset size")
         step, saved_step = self.micro_batch * self.world_size, state["micro_batch"] * state["world_size"]
         consumed, epoch = state["position"] * saved_step, len(self.tokens) // saved_step * saved_step
         if consumed % step or epoch != self.batches_per_epoch * step:
-            raise ValueError(f"the checkpoint's {state['world_size']} ranks x micro_batch {state['micro_batch']} drew "
-                             f"{consumed} samples, in epochs of {epoch}: {self.world_size} ranks x micro_batch "
-                             f"{self.micro_batch} cannot continue there (epochs of {self.batches_per_epoch * step}); "
-                             "choose a micro_batch x ranks that divides both")
+            raise CheckpointMismatchError(
+                f"the checkpoint's {state['world_size']} ranks x micro_batch {state['micro_batch']} drew {consumed} "
+                f"samples, in epochs of {epoch}: {self.world_size} ranks x micro_batch {self.micro_batch} cannot "
+                f"continue there (epochs of {self.batches_per_epoch * step}); choose a micro_batch x ranks that divides both")
         self.position = consumed // step

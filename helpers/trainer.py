@@ -95,7 +95,7 @@ class AdvancedDeepSpeedTrainer:
             config_extra=config_extra, tensorboard_dir=self.tensorboard_dir, job_name=self.job_name)
         self.batches = ResumableBatches(train_data, micro_batch, seed, process_rank(), world_size())
         self.tokenizer, self.history = train_data.tokenizer, []
-        self.engine = self._build_engine(train_data.vocab_size, seed)   # the first expensive step
+        self.engine = self._build_engine(train_data.vocab_size, seed, resume_dir, saved)   # the first expensive step
         if resume_dir is not None:
             self.load_checkpoint(resume_dir.parent, tag=resume_dir.name, saved=saved)
 
@@ -107,7 +107,7 @@ class AdvancedDeepSpeedTrainer:
                              f"{self.n_positions}: raise n_positions or build the dataset with seq_len <= "
                              f"{self.n_positions}")
 
-    def _build_engine(self, vocab_size: int, seed: int):
+    def _build_engine(self, vocab_size: int, seed: int, resume_dir: Path | None = None, saved: dict | None = None):
         import deepspeed
         quiet_deepspeed()
         init_single_process()
@@ -115,6 +115,8 @@ class AdvancedDeepSpeedTrainer:
         model = build_model(vocab_size, self.n_positions, self.model_size, self.tokenizer.pad_token_id, seed)
         if self.gradient_checkpointing:
             enable_checkpointing(model)
+        if resume_dir is not None:   # a checkpoint of another shape is refused before the engine exists
+            checkpoints.check_settings(resume_dir, saved, self._settings(model))
         engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=model.parameters())
         return engine
 
@@ -231,17 +233,17 @@ class AdvancedDeepSpeedTrainer:
         settings (`saved`, read here when not given) are checked against this run's."""
         tag_dir = find_checkpoint(directory) if tag is None else Path(directory) / tag
         saved = saved or checkpoints.saved_settings(tag_dir)
-        checkpoints.check_settings(tag_dir, saved, self._settings())
+        checkpoints.check_settings(tag_dir, saved, self._settings(self.engine.module))
         self.batches.load_state_dict(saved["batches"])   # also before the engine loads: it may refuse the position
         self.history = list(checkpoints.load(self.engine, tag_dir)["history"])
         return tag_dir
 
-    def _settings(self) -> dict:
+    def _settings(self, module) -> dict:
         """This run's side of checkpoints.check_settings (under ZeRO 3 a parameter's own shape is its partition's)."""
-        return {"zero stage": self.config["zero_optimization"]["stage"], "world size": self.engine.world_size,
+        return {"zero stage": self.config["zero_optimization"]["stage"], "world size": world_size(),
                 "precision": self.precision,
                 "universal": self.config.get("checkpoint", {}).get("load_universal", False),
-                "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.engine.module.named_parameters()}}
+                "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}}
 
     def generate(self, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:
         self.engine.eval()

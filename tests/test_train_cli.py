@@ -171,6 +171,14 @@ def test_missing_config_is_named_before_anything_starts(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+def test_a_config_deepspeed_would_refuse_stops_before_any_rank_starts(tmp_path):
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps({**presets.preset("zero2"), "zero_optimization": {"stage": 2, "overlap_com": True}}))
+    with pytest.raises(ConfigError, match=r"'zero_optimization.overlap_com' \(did you mean 'overlap_comm'\?\)"):
+        run_program("train", 2, out_dir=tmp_path / "never", config=path)
+    assert not (tmp_path / "never").exists()
+
+
 # ---- a mistake in the input is one line on stderr and a non-zero exit, never a traceback (issue 16) ----
 
 def run_script(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -194,3 +202,13 @@ def test_bad_input_is_one_line_and_exit_status_1(tmp_path, write, extra, message
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert len(errors) == 1 and message in errors[0], done.stderr
+
+
+def test_resume_with_other_settings_is_one_line_naming_the_difference(tmp_path):
+    common = ["--seq-len", "16", "--n-samples", "64", "--eval-samples", "16", "--steps", "1"]
+    train.main(["--config", str(presets.CONFIG_DIR / "zero1.json"), "--output-dir", str(tmp_path / "a"), *common])
+    done = run_script("--config", str(presets.CONFIG_DIR / "zero0.json"), "--output-dir", str(tmp_path / "b"),
+                      "--resume-from", str(tmp_path / "a" / "checkpoints"), *common, cwd=tmp_path)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert len(errors) == 1 and "zero stage: checkpoint 1, this run 0" in errors[0], done.stderr

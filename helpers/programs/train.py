@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from helpers.checkpoints import CheckpointCorruptError, CheckpointNotFoundError
+from helpers.checkpoints import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from helpers.config import ConfigError, load_json, validate
 
 # Blocks the trainer builds itself from its arguments, adding what it needs (torch's AdamW on a CPU for
@@ -46,7 +46,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--n-samples", type=int, default=2048, help="training sequences (synthetic Markov text)")
     p.add_argument("--eval-samples", type=int, default=256, help="held-out sequences for the final eval loss")
     p.add_argument("--output-dir", default=None, help="default: --out if given, else runs/train/<config name>")
-    p.add_argument("--resume-from", default=None, help="a checkpoints directory written by an earlier run")
+    p.add_argument("--resume-from", default=None, help="a checkpoints directory written by an earlier run, or one checkpoint's own folder "
+                                                       "(e.g. the output of ds_to_universal)")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every K steps (0: only at the end)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write each rank's result as OUT/rank<N>.json "
@@ -63,11 +64,15 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def check_options(a: argparse.Namespace, world_size: int) -> None:
-    """Before any rank starts (helpers.launch.run_program): the config file must exist. A relative path
-    may start at the repository root, where the launcher runs the ranks."""
+    """Before any rank starts (helpers.launch.run_program): the config file must exist and be a config
+    DeepSpeed accepts on this many ranks. A relative path may start at the repository root, where the
+    launcher runs the ranks."""
     from helpers import REPO_ROOT
-    if not (Path(a.config).is_file() or (REPO_ROOT / a.config).is_file()):
+    from helpers.launch import gpu_count
+    path = Path(a.config) if Path(a.config).is_file() else REPO_ROOT / a.config
+    if not path.is_file():
         raise ConfigError(f"config file {a.config} not found (relative paths may start at the repository root)")
+    validate(load_json(path), device="cuda" if gpu_count() >= world_size else "cpu", world_size=world_size)
 
 
 def precision_of(config: dict) -> str:
@@ -211,7 +216,7 @@ def cli(argv=None) -> None:
     exit status 1, not a traceback; anything else is a bug and keeps its traceback."""
     try:
         main(argv)
-    except (ConfigError, CheckpointNotFoundError, CheckpointCorruptError) as err:
+    except (ConfigError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError) as err:
         sys.exit(f"error: {err}")
 
 
