@@ -112,6 +112,7 @@ def validate(config: dict, *, device: str, world_size: int = 1) -> dict:
     check_batch_sizes(config, world_size)
     check_zero(config.get("zero_optimization", {}), device)
     check_precision(config, device)
+    check_deepcompile(config, device)
     check_rates(config)
     check_optimizer(config)
     check_scheduler(config)
@@ -185,6 +186,15 @@ def check_precision(config: dict, device: str) -> None:
     if fp16 and device == "cpu":
         raise ConfigError("fp16.enabled is true but this device is a CPU, where DeepSpeed refuses fp16: "
                           "use precision 'bf16' or 'fp32' (fp16 needs a CUDA GPU)")
+
+
+def check_deepcompile(config: dict, device: str) -> None:
+    """DeepCompile builds DeepSpeed's `dc` op against CUDA's headers: on a CPU engine.compile() fails
+    ("cuda.h: No such file or directory") after the engine is built."""
+    if config.get("compile", {}).get("deepcompile") and device == "cpu":
+        raise ConfigError("compile.deepcompile is true but this device is a CPU: DeepCompile builds a CUDA op and "
+                          "needs a CUDA GPU; remove the key (engine.compile() alone, the trainer's compile=True, "
+                          "works on a CPU)")
 
 
 def check_rates(config: dict) -> None:

@@ -72,8 +72,9 @@ class AdvancedDeepSpeedTrainer:
                  zero_stage: int = 0, precision: str = "auto", micro_batch: int = 16, grad_accum: int = 1,
                  lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
                  offload_optimizer: bool = False, offload_param: bool = False, gradient_checkpointing: bool = False,
-                 zero_extra: dict | None = None, config_extra: dict | None = None, output_dir: str | Path | None = None, name: str = "run", seed: int = 0,
-                 resume_from: str | Path | None = None):
+                 zero_extra: dict | None = None, config_extra: dict | None = None,
+                 output_dir: str | Path | None = None, name: str = "run", seed: int = 0,
+                 resume_from: str | Path | None = None, compile: bool = False):
         self.runtime = detect()
         self.precision = self.runtime.precision if precision == "auto" else precision
         self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
@@ -86,6 +87,9 @@ class AdvancedDeepSpeedTrainer:
                                                                    "load_universal": True}}
         self.output_dir = Path(output_dir) if output_dir is not None else run_dir("trainer")
         self.name, self.grad_accum, self.gradient_checkpointing = name, grad_accum, gradient_checkpointing
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r}: use True (engine.compile(), torch.compile of the model) or False")
+        self.compile = compile
         self.tensorboard_dir = self.output_dir / "tensorboard"
         self.job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
         self.config = trainer_config(
@@ -118,6 +122,8 @@ class AdvancedDeepSpeedTrainer:
         if resume_dir is not None:   # a checkpoint of another shape is refused before the engine exists
             checkpoints.check_settings(resume_dir, saved, self._settings(model))
         engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=model.parameters())
+        if self.compile:   # torch.compile of engine.module in place: the first step then compiles (slow, once)
+            engine.compile()
         return engine
 
     @property
@@ -211,6 +217,7 @@ class AdvancedDeepSpeedTrainer:
             self.engine.monitor.write_events(events)
 
     @torch.no_grad()
+    @torch.compiler.set_stance("force_eager")   # a few batches: not worth compiling an eval-mode graph for
     def evaluate(self, data, max_batches: int = 16) -> float:
         """Mean next-token loss (nats/token) on `data`, without updating anything."""
         self.engine.eval()
@@ -245,6 +252,7 @@ class AdvancedDeepSpeedTrainer:
                 "universal": self.config.get("checkpoint", {}).get("load_universal", False),
                 "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}}
 
+    @torch.compiler.set_stance("force_eager")   # every new length would compile again
     def generate(self, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:
         self.engine.eval()
         text = generate(self.engine.module, self.tokenizer, prompt, max_new_tokens, seed)

@@ -54,6 +54,7 @@ def test_deepspeed_accepts_the_built_config():
     (lambda c: c["zero_optimization"].update(stage=3, zero_quantized_weights=True), "cpu", 1,
      "zero_optimization.zero_quantized_weights"),
     (lambda c: c.update(gradient_clipping=-1.0), "cpu", 1, "gradient_clipping=-1.0"),
+    (lambda c: c.update(compile={"deepcompile": True}), "cpu", 1, "compile.deepcompile"),
 ])
 def test_bad_config_names_the_field(mutate, device, world, field):
     cfg = good()
@@ -139,6 +140,11 @@ def test_missing_config_file(tmp_path):
 def test_zero_plus_plus_is_fine_on_a_gpu():
     cfg = good(zero_stage=3)
     cfg["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True)
+    assert validate(cfg, device="cuda") is cfg
+
+
+def test_deepcompile_is_fine_on_a_gpu():
+    cfg = good(zero_stage=3) | {"compile": {"deepcompile": True}}
     assert validate(cfg, device="cuda") is cfg
 
 

@@ -49,6 +49,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--resume-from", default=None, help="a checkpoints directory written by an earlier run, or one checkpoint's own folder "
                                                        "(e.g. the output of ds_to_universal)")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every K steps (0: only at the end)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model (DeepSpeed's engine.compile(), torch.compile): the first step "
+                        "compiles (a minute on a small CPU), later ones run faster")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write each rank's result as OUT/rank<N>.json "
                                                "(what helpers.launch.run_program reads)")
@@ -164,7 +167,8 @@ def train(a: argparse.Namespace) -> dict:
     held_out = SyntheticTextDataset("markov", n_samples=a.eval_samples, seq_len=a.seq_len, seed=a.seed + 1,
                                     tokenizer=data.tokenizer)
     trainer = AdvancedDeepSpeedTrainer(data, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
-                                       name=Path(a.config).stem, resume_from=a.resume_from, **arguments)
+                                       name=Path(a.config).stem, resume_from=a.resume_from, compile=a.compile,
+                                       **arguments)
     problems = unhonoured(config, trainer.config)
     if problems:
         raise ConfigError("the trainer cannot run this file as written (set these to the trainer's values, "

@@ -28,6 +28,7 @@ def parse(argv=None):
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="train compiled (engine.compile()) in both phases")
     return p.parse_args(argv)
 
 
@@ -50,7 +51,7 @@ def run_stage(a, stage: int, data) -> dict:
     trainer = AdvancedDeepSpeedTrainer(
         data, model_size="tiny", zero_stage=stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
         warmup_steps=3, total_steps=a.steps + 2, seed=a.seed, output_dir=Path(a.out) / f"stage{stage}",
-        zero_extra=extra, resume_from=checkpoints if a.phase == "resumed" else None)
+        zero_extra=extra, resume_from=checkpoints if a.phase == "resumed" else None, compile=a.compile)
     data_seen = record_data(trainer)
     half = a.steps // 2
     if a.phase == "straight":
@@ -81,9 +82,8 @@ if __name__ == "__main__":
 
 def run(n_ranks: int, stages=(0, 1, 2, 3), steps: int = 8, out_dir=".", **options) -> dict:
     """Both phases on n_ranks (two launches); {"straight": [...], "resumed": [...]} per rank."""
-    from helpers.launch import launch
-    args = ["--stages", *map(str, stages), f"--steps={steps}"]
-    args += [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    from helpers.launch import flags, launch
+    args = flags({"stages": stages, "steps": steps, **options})
     base = Path(out_dir) / f"resume-{n_ranks}ranks"
     return {phase: launch(__name__, n_ranks, [*args, f"--phase={phase}"], out_dir=base / phase)
             for phase in ("straight", "resumed")}

@@ -1,0 +1,68 @@
+"""compile=True (DeepSpeed's engine.compile()): the compiled trainer computes what the eager one does, a
+resumed compiled run repeats the straight one, bad input is refused before the engine; the GPU script
+is ready to run and skips cleanly here."""
+import pytest
+
+from helpers.data import SyntheticTextDataset
+from helpers.trainer import AdvancedDeepSpeedTrainer
+from tests.rank_programs import resume
+
+
+@pytest.fixture(scope="module")
+def data():
+    return SyntheticTextDataset("markov", n_samples=256, seq_len=32, seed=0)
+
+
+def trainer(data, tmp_path, **kw):
+    return AdvancedDeepSpeedTrainer(data, model_size="tiny", micro_batch=8, warmup_steps=2, total_steps=40,
+                                    output_dir=tmp_path, **kw)
+
+
+def test_compile_must_be_a_bool(data, tmp_path):
+    with pytest.raises(ValueError, match="compile='yes'"):
+        trainer(data, tmp_path, compile="yes")
+
+
+def test_compiled_losses_follow_the_eager_ones(data, tmp_path):
+    """inductor fuses the elementwise ops (other rounding), so equal within float tolerance, not bitwise."""
+    eager = trainer(data, tmp_path / "eager").train(4, progress=False)
+    compiled = trainer(data, tmp_path / "compiled", compile=True)
+    steps = compiled.train(4, progress=False)
+    for e, c in zip(eager, steps):
+        assert c["loss"] == pytest.approx(e["loss"], rel=2e-3), (e, c)
+        assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=2e-2), (e, c)
+    assert compiled.engine.is_compiled
+    assert isinstance(compiled.evaluate(data, max_batches=2), float)   # eval runs eagerly beside the compiled graph
+
+
+@pytest.mark.precision
+def test_a_resumed_compiled_run_repeats_the_straight_one(tmp_path):
+    rows = resume.compare(resume.run(1, stages=(0, 2), steps=4, out_dir=tmp_path, grad_accum=1, compile=True))
+    assert [row["stage"] for row in rows] == [0, 2]
+    for row in rows:
+        assert row["steps compared"] == 2 and row["same steps"] and row["same lr"] and row["same data"], row
+        assert row["max |loss difference|"] == 0.0, row
+
+
+def test_the_gpu_script_skips_cleanly_without_a_gpu(capsys):
+    from benchmarks.gpu import main
+    assert main([]) is None
+    assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_the_gpu_scripts_commands_are_ones_their_programs_accept(tmp_path):
+    """Each part's flags parse in the program it runs (the benchmark's with the device this box has)."""
+    from benchmarks import trainer_vs_plain
+    from benchmarks.gpu import parts
+    from helpers import REPO_ROOT
+    from helpers.programs import train
+    from helpers.run_notebooks import NOTEBOOKS
+    for name, command, limit in parts(tmp_path):
+        module, args = command[0], command[1:]
+        if module == "helpers.programs.train":
+            assert (REPO_ROOT / train.parse(args).config).is_file(), name
+        elif module == "benchmarks.trainer_vs_plain":
+            a = trainer_vs_plain.parse([x if x != "cuda" else "cpu" for x in args])
+            assert a.compiled_stages and "plain-compiled" in trainer_vs_plain.contender_names(a), name
+        else:
+            assert module == "helpers.run_notebooks" and list(NOTEBOOKS.glob(args[1] + "*.ipynb")), name
