@@ -71,12 +71,15 @@ def warmup_decay(k: int, warmup: int, total: int) -> float:
 
 class Plain:
     """The loop a reader writes by hand, with torch's fused AdamW (the trainer's optimizer; see
-    helpers.trainer.trainer_config) and bf16 through autocast when the precision is bf16."""
+    helpers.trainer.trainer_config) and bf16 through autocast when the precision is bf16; compiled, the
+    model is torch.compile'd."""
 
-    def __init__(self, data: TokenData, s: Setup):
+    def __init__(self, data: TokenData, s: Setup, compile: bool = False):
         self.device, self.clip, self.losses, self.lrs = s.device, s.grad_clip, [], []
         self.model = build_model(data.vocab_size, data.seq_len, s.model_size, data.tokenizer.pad_token_id,
                                  s.seed).to(s.device).train()
+        if compile:   # torch.compile in place, as DeepSpeed's engine.compile() does to its module
+            self.model.compile()
         self.opt = torch.optim.AdamW(self.model.parameters(), s.lr, BETAS, EPS, WEIGHT_DECAY, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda k: warmup_decay(k, s.warmup, s.total))
         self.batches = ResumableBatches(data, s.micro_batch, s.seed)
@@ -116,13 +119,14 @@ class Plain:
 
 
 class DeepSpeedTrainer:
-    """helpers.trainer.AdvancedDeepSpeedTrainer at one ZeRO stage, with its defaults."""
+    """helpers.trainer.AdvancedDeepSpeedTrainer at one ZeRO stage, with its defaults (compiled: compile=True,
+    DeepSpeed's engine.compile())."""
 
-    def __init__(self, data: TokenData, s: Setup, stage: int):
+    def __init__(self, data: TokenData, s: Setup, stage: int, compile: bool = False):
         self.trainer = AdvancedDeepSpeedTrainer(
             data, zero_stage=stage, precision=s.precision, micro_batch=s.micro_batch, grad_accum=1, lr=s.lr,
             warmup_steps=s.warmup, total_steps=s.total, grad_clip=s.grad_clip, seed=s.seed,
-            model_size=s.model_size, output_dir=Path(s.out_dir) / f"ds{stage}", name=f"ds{stage}")
+            model_size=s.model_size, output_dir=Path(s.out_dir) / f"ds{stage}", name=f"ds{stage}", compile=compile)
 
     def train(self, steps: int) -> None:
         self.trainer.train(steps, progress=False)
@@ -185,13 +189,13 @@ def pause_callback():
 
 class HFTrainer:
     """transformers.Trainer with deepspeed= the config AdvancedDeepSpeedTrainer would run (trainer_config),
-    logging every step (as the other contenders record every step's loss).
+    logging every step (as the other contenders record every step's loss); compiled: torch_compile=True.
 
     Trainer.train() runs to the end in one call, so it runs in a thread that a callback pauses after each
     block; train(k) lets k more steps run and waits for them.
     """
 
-    def __init__(self, data: TokenData, s: Setup, stage: int):
+    def __init__(self, data: TokenData, s: Setup, stage: int, compile: bool = False):
         from transformers import PrinterCallback, Trainer
         from helpers.runtime import detect, init_single_process
         init_single_process()   # the 1-rank environment a launcher would set; DeepSpeed looks for MPI without it
@@ -202,7 +206,7 @@ class HFTrainer:
             job_name=f"hf{stage}")
         model = build_model(data.vocab_size, data.seq_len, s.model_size, data.tokenizer.pad_token_id, s.seed)
         self.pause = pause_callback()
-        self.trainer = Trainer(model=model, args=hf_arguments(self.config, s, out),
+        self.trainer = Trainer(model=model, args=hf_arguments(self.config, s, out, compile),
                                train_dataset=OrderedSamples(data, s.micro_batch, s.seed, s.total),
                                callbacks=[self.pause])
         self.trainer.remove_callback(PrinterCallback)   # prints every log line; the others print nothing
@@ -245,7 +249,7 @@ class HFTrainer:
         self.thread.join()
 
 
-def hf_arguments(config: dict, s: Setup, out: Path):
+def hf_arguments(config: dict, s: Setup, out: Path, compile: bool = False):
     """TrainingArguments that agree with the DeepSpeed config (HF refuses a config whose values differ
     from its arguments), read from the config so the two cannot drift apart."""
     from transformers import TrainingArguments
@@ -257,14 +261,20 @@ def hf_arguments(config: dict, s: Setup, out: Path):
         weight_decay=opt["weight_decay"], max_grad_norm=config["gradient_clipping"],
         warmup_steps=sched["warmup_num_steps"], bf16=config.get("bf16", {}).get("enabled", False),
         use_cpu=s.device == "cpu", seed=s.seed, logging_steps=1, save_strategy="no", report_to="none",
-        disable_tqdm=True, dataloader_pin_memory=False)
+        disable_tqdm=True, dataloader_pin_memory=False, torch_compile=compile)
+
+
+COMPILED = "-compiled"   # the suffix of a compiled contender's name: plain-compiled, ds2-compiled, hf0-compiled
 
 
 def make_contender(name: str, data: TokenData, setup: Setup):
-    """'plain', 'plain2' (the same loop again: a control), 'ds<stage>' or 'hf<stage>'."""
-    if name in ("plain", "plain2"):
-        return Plain(data, setup)
+    """'plain', 'plain2' (the same loop again: a control), 'ds<stage>' or 'hf<stage>'; each with the suffix
+    '-compiled' for its torch.compile'd twin."""
+    base, compile = name.removesuffix(COMPILED), name.endswith(COMPILED)
+    if base in ("plain", "plain2"):
+        return Plain(data, setup, compile)
     kinds = {"ds": DeepSpeedTrainer, "hf": HFTrainer}
-    if name[:2] in kinds and name[2:].isdigit():
-        return kinds[name[:2]](data, setup, int(name[2:]))
-    raise ValueError(f"unknown contender {name!r}: use 'plain', 'plain2', 'ds0'..'ds3' or 'hf0'..'hf3'")
+    if base[:2] in kinds and base[2:].isdigit():
+        return kinds[base[:2]](data, setup, int(base[2:]), compile)
+    raise ValueError(f"unknown contender {name!r}: use 'plain', 'plain2', 'ds0'..'ds3' or 'hf0'..'hf3', "
+                     f"each optionally with {COMPILED!r}")

@@ -37,18 +37,21 @@ from helpers.data import SyntheticTextDataset
 from helpers.runtime import detect
 from helpers.model import MODEL_SIZES
 
-from .contenders import Setup, TokenData
+from .contenders import COMPILED, Setup, TokenData
 from .workers import Worker
 
 # Per device: the issue's 4.3M-param GPT-2 on a CPU (4 layers, d=256, a 4096-word vocabulary, sequence 256,
 # batch 8), GPT-2 124M on a GPU (12 layers, d=768, GPT-2's 50257-token vocabulary, sequence 1024).
 DEFAULTS = {
     "cpu": dict(model_size="small", n_words=4096, vocab_size=None, seq_len=256, micro_batch=8, precision="fp32",
-                steps=3, rounds=12, matmul_size=2048, stages=[0, 1, 2, 3], hf_stages=[0, 1, 2], no_control=False),
+                steps=3, rounds=12, matmul_size=2048, stages=[0, 1, 2, 3], hf_stages=[0, 1, 2],
+                compiled_stages=[0, 1, 2], hf_compiled_stages=[0], no_control=False),
     "cuda": dict(model_size="gpt2", n_words=4096, vocab_size=50257, seq_len=1024, micro_batch=8, precision="bf16",
-                 steps=10, rounds=8, matmul_size=8192, stages=[0, 1, 2, 3], hf_stages=[0, 1, 2], no_control=False),
+                 steps=10, rounds=8, matmul_size=8192, stages=[0, 1, 2, 3], hf_stages=[0, 1, 2],
+                 compiled_stages=[0, 1, 2], hf_compiled_stages=[0], no_control=False),
     "smoke": dict(model_size="tiny", n_words=128, vocab_size=None, seq_len=32, micro_batch=4, precision="fp32",
-                  steps=2, rounds=1, matmul_size=256, stages=[0], hf_stages=[0], threads=1, no_control=True),
+                  steps=2, rounds=1, matmul_size=256, stages=[0], hf_stages=[0], compiled_stages=[0],
+                  hf_compiled_stages=[], threads=1, no_control=True),
 }
 
 
@@ -63,6 +66,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", choices=["fp32", "bf16"])
     p.add_argument("--stages", type=int, nargs="*", help="ZeRO stages of AdvancedDeepSpeedTrainer")
     p.add_argument("--hf-stages", type=int, nargs="*", help="ZeRO stages of HF Trainer")
+    p.add_argument("--compiled-stages", type=int, nargs="*",
+                   help="ZeRO stages of the trainer to run compiled too (with them: plain-compiled)")
+    p.add_argument("--hf-compiled-stages", type=int, nargs="*", help="ZeRO stages of HF Trainer(torch_compile=True)")
     p.add_argument("--no-control", action="store_true", default=None, help="leave out plain2 (the plain loop again)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--grad-clip", type=float, default=1.0)
@@ -101,13 +107,17 @@ def matmul_flops(n: int, device: str, dtype: torch.dtype, repeats: int = 5) -> f
 
 
 def contender_names(a) -> list[str]:
-    """plain first, then each stage's trainer beside HF Trainer at that stage (the pairs compared run back
-    to back in every round), then plain2: the plain loop again in a process of its own, as far from
-    plain as the order allows. Its ratio to plain is the noise floor: what separate processes and a
-    shared machine make of two identical contenders."""
-    names = ["plain"]
-    for stage in sorted(set(a.stages) | set(a.hf_stages)):
-        names += [f"{kind}{stage}" for kind, stages in (("ds", a.stages), ("hf", a.hf_stages)) if stage in stages]
+    """plain first (and plain-compiled when anything runs compiled), then each stage's trainer beside HF
+    Trainer at that stage and their compiled twins (the pairs compared run back to back in every round),
+    then plain2: the plain loop again in a process of its own, as far from plain as the order allows. Its
+    ratio to plain is the noise floor: what separate processes and a shared machine make of two identical
+    contenders."""
+    compiled = a.compiled_stages or a.hf_compiled_stages
+    names = ["plain"] + ([f"plain{COMPILED}"] if compiled else [])
+    kinds = (("ds", a.stages, ""), ("hf", a.hf_stages, ""), ("ds", a.compiled_stages, COMPILED),
+             ("hf", a.hf_compiled_stages, COMPILED))
+    for stage in sorted(set().union(*(stages for _, stages, _ in kinds))):
+        names += [f"{kind}{stage}{suffix}" for kind, stages, suffix in kinds if stage in stages]
     return names + ([] if a.no_control else ["plain2"])
 
 
@@ -132,8 +142,8 @@ def run(a) -> dict:
         for w in workers:   # built in parallel, waited for in turn
             w.wait()
         peaks = [matmul_flops(a.matmul_size, a.device, dtype)]
-        for w in workers:   # warm-up block: allocator, kernels, optimizer state
-            w.call("train", a.steps)
+        # Warm-up block: allocator, kernels, optimizer state, and a compiled contender's compilation.
+        first = {w.name: w.call("train", a.steps) for w in workers}
         blocks = {w.name: [] for w in workers}   # per round: {"wall_s", "cpu_s"}
         for r in range(a.rounds):
             for w in workers if r % 2 == 0 else workers[::-1]:
@@ -144,7 +154,7 @@ def run(a) -> dict:
     finally:
         for w in workers:
             w.close()
-    return report(a, data, blocks, reports, max(peaks), time.perf_counter() - start)
+    return report(a, data, first, blocks, reports, max(peaks), time.perf_counter() - start)
 
 
 def progress(r: int, rounds: int, blocks: dict) -> None:
@@ -167,7 +177,7 @@ def ratio_stats(mine: list[float], theirs: list[float]) -> dict:
             "best": min(theirs) / min(mine)}   # fastest block vs fastest block: noise only ever slows one down
 
 
-def report(a, data, blocks: dict, reports: dict, peak: float, seconds: float, k: int = 5) -> dict:
+def report(a, data, first: dict, blocks: dict, reports: dict, peak: float, seconds: float, k: int = 5) -> dict:
     tokens = a.steps * a.micro_batch * a.seq_len   # per block
     walls = {name: [b["wall_s"] for b in bs] for name, bs in blocks.items()}
     cpus = {name: [b["cpu_s"] for b in bs] for name, bs in blocks.items()}
@@ -191,6 +201,9 @@ def report(a, data, blocks: dict, reports: dict, peak: float, seconds: float, k:
             "vs_hf_same_stage_cpu": ratio_stats(cpus[name], cpus[hf]) if hf in cpus else None,
             "vs_hf_same_stage": ratio_stats(walls[name], walls[hf]) if hf in walls else None,
             "mfu": rate * fpt / peak,
+            # What the warm-up block took beyond a steady block of as many steps: compilation, for a compiled one.
+            "first_block_s": first[name]["wall_s"],
+            "first_block_extra_s": first[name]["wall_s"] - statistics.median(walls[name]),
             "peak_memory_mib": rep["peak_bytes"] / 2**20, "baseline_memory_mib": rep["baseline_bytes"] / 2**20,
             "state_mib": rep["state_bytes"] / 2**20, "final_loss": rep["losses"][-1], "losses": rep["losses"],
             "max_loss_diff_first_steps": max(diffs[:k]), "max_loss_diff_all_steps": max(diffs),
@@ -202,7 +215,8 @@ def report(a, data, blocks: dict, reports: dict, peak: float, seconds: float, k:
               "flops_formula": "6*N + 12*n_layer*d_model*seq_len",
               "memory_kind": "CUDA allocator peak" if a.device == "cuda" else "peak RSS (VmHWM)",
               "first_losses_agree": all(r["max_loss_diff_first_steps"] <= tol for r in rows.values()),
-              "loss_tolerance": tol, "wall_s": seconds, "contenders": rows}
+              "loss_tolerance": tol, "wall_s": seconds, "contenders": rows,
+              "compiled": compiled_rows(rows, walls, a.steps)}
     table = markdown(result, min(k, len(plain["losses"])))
     print(table)
     out = Path(a.out)
@@ -210,6 +224,22 @@ def report(a, data, blocks: dict, reports: dict, peak: float, seconds: float, k:
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(table + "\n")
     return result
+
+
+def compiled_rows(rows: dict, walls: dict, steps: int) -> dict:
+    """Each compiled contender against its eager twin (the same name without -compiled), round by round:
+    the steady-state speed-up, the compile time (the extra seconds of its warm-up block beyond the twin's)
+    and the break-even: after how many steps the compiled run, compilation included, has caught up."""
+    out = {}
+    for name in (n for n in rows if n.endswith(COMPILED)):
+        eager = name.removesuffix(COMPILED)
+        compile_s = rows[name]["first_block_extra_s"] - rows[eager]["first_block_extra_s"]
+        saved_per_step = (statistics.median(walls[eager]) - statistics.median(walls[name])) / steps
+        out[name] = {"eager": eager, "vs_eager": ratio_stats(walls[name], walls[eager]),
+                     "vs_plain_compiled": ratio_stats(walls[name], walls[f"plain{COMPILED}"]),
+                     "compile_s": compile_s,
+                     "break_even_steps": compile_s / saved_per_step if saved_per_step > 0 else None}
+    return out
 
 
 def versions() -> dict:
@@ -255,7 +285,21 @@ def markdown(r: dict, k: int) -> str:
               f"best blocks: the fastest block of each, which other load on a shared machine can only slow "
               f"down. {len(rows['plain']['losses'])} steps each; "
               f"total {r['wall_s']:.0f} s."]
-    return "\n".join(lines)
+    return "\n".join(lines + compiled_markdown(r["compiled"]))
+
+
+def compiled_markdown(compiled: dict) -> list[str]:
+    if not compiled:
+        return []
+    lines = ["", "| compiled contender | vs its eager twin, median (min-max) | vs plain-compiled, median (min-max) | "
+             "compile s | break-even steps |", "|---|---:|---:|---:|---:|"]
+    for name, row in compiled.items():
+        steps = row["break_even_steps"]
+        lines.append(f"| {name} | {ratio_text(row['vs_eager'])} | {ratio_text(row['vs_plain_compiled'])} | "
+                     f"{row['compile_s']:.1f} | {'never' if steps is None else f'{steps:,.0f}'} |")
+    return lines + ["", "Compile s: the warm-up block's extra time over a steady block, less the eager twin's "
+                    "(torch.compile's one-off cost, with an empty inductor cache). Break-even: steps after which "
+                    "the compiled run, compile time included, has caught up with its eager twin."]
 
 
 if __name__ == "__main__":

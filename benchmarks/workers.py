@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -52,6 +53,10 @@ def serve(conn, name: str, data, setup, log_path: str) -> None:
     with open(log_path, "a") as log:   # DeepSpeed and transformers print; the benchmark's output stays clean
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    # An empty inductor cache of its own: a compiled contender's compile time is that of a first run.
+    cache = Path(setup.out_dir) / "inductor_cache" / name
+    shutil.rmtree(cache, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     try:
         from .contenders import make_contender
         torch.set_num_threads(setup.threads)

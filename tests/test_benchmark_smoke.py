@@ -18,7 +18,7 @@ def result(tmp_path_factory):
 
 def test_it_writes_every_contender_with_its_numbers(result):
     returned, saved, table = result
-    assert list(saved["contenders"]) == ["plain", "ds0", "hf0"]
+    assert list(saved["contenders"]) == ["plain", "plain-compiled", "ds0", "hf0", "ds0-compiled"]
     assert returned["contenders"]["ds0"]["final_loss"] == saved["contenders"]["ds0"]["final_loss"]
     steps = saved["config"]["steps"] * (saved["config"]["rounds"] + 1)   # warm-up block + rounds
     for name, row in saved["contenders"].items():
@@ -27,12 +27,16 @@ def test_it_writes_every_contender_with_its_numbers(result):
         assert row["peak_memory_mib"] >= row["baseline_memory_mib"] > 0 and row["state_mib"] > 0, name
         assert f"| {name} |" in table
     assert saved["contenders"]["ds0"]["vs_hf_same_stage"] is not None
+    assert list(saved["compiled"]) == ["plain-compiled", "ds0-compiled"]
+    for name, row in saved["compiled"].items():
+        assert row["eager"] == name.removesuffix("-compiled") and row["compile_s"] > 0, name
+        assert f"| {name} | {row['vs_eager']['median']:.3f}" in table
 
 
 def test_contenders_do_the_same_math(result):
     _, saved, _ = result
     rows = saved["contenders"]
-    for name in ("ds0", "hf0"):
+    for name in ("ds0", "hf0", "plain-compiled", "ds0-compiled"):
         assert abs(rows[name]["losses"][0] - rows["plain"]["losses"][0]) < 1e-5, name   # same init, same batch
         assert rows[name]["max_loss_diff_all_steps"] < 1e-3, name
         assert rows[name]["max_lr_diff"] < 1e-12, name   # the same warm-up/decay schedule, step for step
@@ -52,7 +56,8 @@ def test_flops_per_token_counts_the_models_own_parameters(result):
 
 def test_trainer_and_hf_of_a_stage_run_back_to_back():
     a = parse(["--device", "cpu", "--stages", "0", "1", "2", "3", "--hf-stages", "0", "1", "2"])
-    assert contender_names(a) == ["plain", "ds0", "hf0", "ds1", "hf1", "ds2", "hf2", "ds3", "plain2"]
+    assert contender_names(a) == ["plain", "plain-compiled", "ds0", "hf0", "ds0-compiled", "hf0-compiled", "ds1",
+                                  "hf1", "ds1-compiled", "ds2", "hf2", "ds2-compiled", "ds3", "plain2"]
 
 
 def test_step_phases_split_each_step_into_parts_that_add_up(tmp_path):
