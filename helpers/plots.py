@@ -270,3 +270,25 @@ def curriculum(result: dict, save_dir=None):
     for ax in (length, loss):
         ax.legend()
     return finish(fig, save_dir, "curriculum")
+
+
+def compile_break_even(cumulative: dict[str, list[float]], compile_s: float, step_s: dict[str, float],
+                       break_even: float | None, save_dir=None):
+    """Wall seconds spent after n steps, eager vs compiled: the measured run (solid) and, dashed, where the
+    measured compile time and steady step times lead (first compiled step + n x step time)."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    n_max = max(len(c) for c in cumulative.values())
+    horizon = int(1.3 * break_even) if break_even and break_even > n_max else n_max
+    n = np.arange(1, horizon + 1)
+    for (name, seconds), colour in zip(cumulative.items(), ("tab:blue", "tab:orange")):
+        ax.plot(np.arange(1, len(seconds) + 1), seconds, color=colour, label=f"{name}, measured")
+        start = seconds[0] - step_s[name]   # what the first step cost beyond a steady one
+        ax.plot(n, start + n * step_s[name], color=colour, linestyle="--", alpha=0.6, label=f"{name}, projected")
+    if break_even:
+        ax.axvline(break_even, color="grey", linestyle=":", label=f"break-even: {break_even:,.0f} steps")
+    saved_ms = 1e3 * (step_s["eager"] - step_s["compiled"])
+    title = (f"Compiling cost {compile_s:.0f} s once, then saved {saved_ms:.1f} ms a step" if break_even
+             else f"Compiling cost {compile_s:.0f} s; the compiled steps were not faster here")
+    ax.set(title=title, xlabel="optimizer steps", ylabel="wall seconds so far")
+    ax.legend(fontsize=8)
+    return finish(fig, save_dir, "compile_break_even")

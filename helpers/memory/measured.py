@@ -51,6 +51,16 @@ def tensors_in(obj):
             yield from tensors_in(value)
 
 
+@contextlib.contextmanager
+def saved_for_backward():
+    """The tensors autograd keeps for the backward pass of what runs inside (torch's saved-tensor hooks
+    see them, compiled graphs' included): `storage_bytes` of the list is that forward's activation memory."""
+    import torch
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        yield saved
+
+
 def storage_bytes(tensors, seen: set | None = None) -> int:
     """Bytes of the storages under `tensors`, each counted once: views and shared (tied) tensors
     share one storage. `seen` carries over between calls so no byte lands in two components."""
