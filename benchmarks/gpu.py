@@ -23,25 +23,32 @@ from pathlib import Path
 
 from helpers import REPO_ROOT
 
-# (name, command after `python -m`, seconds allowed). Sizes keep the whole under 8 minutes on one GPU.
+# Commands after `python -m`, sized to keep the whole under 8 minutes on one GPU.
 TRAIN = ["helpers.programs.train", "--model-size", "small", "--seq-len", "128", "--steps", "60"]
 BENCHMARK = ["benchmarks.trainer_vs_plain", "--device", "cuda", "--steps", "10", "--rounds", "4",
              "--stages", "0", "2", "--hf-stages", "0", "--compiled-stages", "0", "2", "--hf-compiled-stages",
              "--no-control"]
 
 
-def parts(out: Path) -> list[tuple[str, list[str], int]]:
+def parts(out: Path) -> list[dict]:
+    """Each part: its name, its command, its time limit, and the JSON it writes (None: pass/fail only)."""
+    bench = out / "benchmark" / "trainer_vs_plain.json"
     return [
-        ("notebook 01", ["helpers.run_notebooks", "--only", "01", "--out", str(out / "notebooks")], 90),
-        ("notebook 03", ["helpers.run_notebooks", "--only", "03", "--out", str(out / "notebooks")], 180),
-        ("fp16, dynamic loss scaling", [*TRAIN, "--config", "configs/fp16.json", "--out", str(out / "fp16")], 90),
-        ("bf16", [*TRAIN, "--config", "configs/bf16.json", "--out", str(out / "bf16")], 60),
-        ("benchmark, eager and compiled", [*BENCHMARK, "--out", str(out / "benchmark" / "trainer_vs_plain.json")],
-         240),
+        {"name": "notebook 01", "command": ["helpers.run_notebooks", "--only", "01", "--out", str(out / "notebooks")],
+         "limit": 90, "result": None},
+        {"name": "notebook 03", "command": ["helpers.run_notebooks", "--only", "03", "--out", str(out / "notebooks")],
+         "limit": 180, "result": None},
+        {"name": "fp16, dynamic loss scaling", "command": [*TRAIN, "--config", "configs/fp16.json", "--out",
+                                                           str(out / "fp16")], "limit": 90, "result": out / "fp16" / "rank0.json"},
+        {"name": "bf16", "command": [*TRAIN, "--config", "configs/bf16.json", "--out", str(out / "bf16")],
+         "limit": 60, "result": out / "bf16" / "rank0.json"},
+        {"name": "benchmark, eager and compiled", "command": [*BENCHMARK, "--out", str(bench)], "limit": 240,
+         "result": bench},
     ]
 
 
-def run_part(name: str, command: list[str], limit: int, out: Path) -> dict:
+def run_part(part: dict, out: Path) -> dict:
+    name, command, limit = part["name"], part["command"], part["limit"]
     log = out / "logs" / (name.split(",")[0].replace(" ", "_") + ".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"{name} ...", flush=True)
@@ -55,28 +62,22 @@ def run_part(name: str, command: list[str], limit: int, out: Path) -> dict:
     seconds = time.perf_counter() - start
     status = "passed" if code == 0 else f"timed out after {limit} s" if code is None else f"failed (exit {code})"
     print(f"  {status} in {seconds:.0f} s (log: {log})", flush=True)
+    result = read_result(part["result"]) if part["result"] is not None and part["result"].is_file() else None
     return {"name": name, "command": "python -m " + " ".join(command), "status": status,
-            "seconds": seconds, "log": str(log), "result": read_result(name, out)}
+            "seconds": seconds, "log": str(log), "result": result}
 
 
-def read_result(name: str, out: Path) -> dict | None:
-    """The figures a part wrote, if it got that far."""
-    if name.startswith(("fp16", "bf16")):
-        path = out / name[:4] / "rank0.json"
-        if path.is_file():
-            run = json.loads(path.read_text())
-            losses = [m["loss"] for m in run["history"]]
-            return {"first_loss": losses[0], "final_loss": losses[-1], "eval_loss": run["eval_loss"],
-                    "skipped_steps": run["history"][-1]["skipped_steps"],
-                    "tokens_per_s": run["summary"]["tokens_per_s"], "peak_memory_mib": run["summary"]["peak_memory_mib"]}
-    if name.startswith("benchmark"):
-        path = out / "benchmark" / "trainer_vs_plain.json"
-        if path.is_file():
-            run = json.loads(path.read_text())
-            return {"contenders": {n: {"tokens_per_s": r["tokens_per_s"], "vs_plain": r["vs_plain"]["median"],
-                                       "mfu": r["mfu"]} for n, r in run["contenders"].items()},
-                    "compiled": run["compiled"], "table": str(path.with_suffix(".md"))}
-    return None
+def read_result(path: Path) -> dict:
+    """The figures a part wrote: a training run's (helpers.programs.train) or the benchmark's."""
+    run = json.loads(path.read_text())
+    if "history" in run:
+        losses = [m["loss"] for m in run["history"]]
+        return {"first_loss": losses[0], "final_loss": losses[-1], "eval_loss": run["eval_loss"],
+                "skipped_steps": run["history"][-1]["skipped_steps"],
+                "tokens_per_s": run["summary"]["tokens_per_s"], "peak_memory_mib": run["summary"]["peak_memory_mib"]}
+    return {"contenders": {n: {"tokens_per_s": r["tokens_per_s"], "vs_plain": r["vs_plain"]["median"],
+                               "mfu": r["mfu"]} for n, r in run["contenders"].items()},
+            "compiled": run["compiled"], "table": str(path.with_suffix(".md"))}
 
 
 def markdown(summary: dict) -> str:
@@ -104,7 +105,7 @@ def main(argv=None) -> dict | None:
         return None
     a.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    results = [run_part(name, command, limit, a.out) for name, command, limit in parts(a.out)]
+    results = [run_part(part, a.out) for part in parts(a.out)]
     summary = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "seconds": time.perf_counter() - start, "parts": results}
     (a.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -83,6 +83,11 @@ def parse(argv=None) -> argparse.Namespace:
     for key, value in defaults.items():   # what the command line left unset
         if getattr(a, key) is None:
             setattr(a, key, value)
+    for flag, compiled, eager in (("--compiled-stages", a.compiled_stages, a.stages),
+                                  ("--hf-compiled-stages", a.hf_compiled_stages, a.hf_stages)):
+        if set(compiled) - set(eager):   # a compiled contender is measured against its eager twin
+            p.error(f"{flag} {' '.join(map(str, compiled))}: add {sorted(set(compiled) - set(eager))} to "
+                    f"{flag.replace('compiled-', '')} too (each compiled run is compared with its eager twin)")
     a.total = a.steps * (a.rounds + 1)   # the LR schedule spans the warm-up block and every round
     a.warmup = max(1, a.total // 10)
     return a

@@ -71,3 +71,9 @@ def test_step_phases_split_each_step_into_parts_that_add_up(tmp_path):
         assert row["forward"] > 0 and row["backward"] > 0 and row["step"] > 0 and row["rest"] >= 0, name
         assert row["total"] >= row["forward"] + row["backward"] - 1e-6, name   # the parts sit inside the step
     assert result[0]["ds0"]["speed_vs_plain"] > 0
+
+
+def test_a_compiled_contender_without_its_eager_twin_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--device", "cpu", "--stages", "0", "--compiled-stages", "0", "2"])
+    assert "--compiled-stages 0 2: add [2] to --stages too" in capsys.readouterr().err

@@ -57,8 +57,8 @@ def test_the_gpu_scripts_commands_are_ones_their_programs_accept(tmp_path):
     from helpers import REPO_ROOT
     from helpers.programs import train
     from helpers.run_notebooks import NOTEBOOKS
-    for name, command, limit in parts(tmp_path):
-        module, args = command[0], command[1:]
+    for part in parts(tmp_path):
+        name, (module, *args) = part["name"], part["command"]
         if module == "helpers.programs.train":
             assert (REPO_ROOT / train.parse(args).config).is_file(), name
         elif module == "benchmarks.trainer_vs_plain":
@@ -66,3 +66,20 @@ def test_the_gpu_scripts_commands_are_ones_their_programs_accept(tmp_path):
             assert a.compiled_stages and "plain-compiled" in trainer_vs_plain.contender_names(a), name
         else:
             assert module == "helpers.run_notebooks" and list(NOTEBOOKS.glob(args[1] + "*.ipynb")), name
+
+
+def test_the_gpu_summary_reads_what_the_parts_write(tmp_path):
+    """The summary's readers on a real training run's rank0.json and on a stored benchmark result."""
+    from benchmarks.gpu import markdown, read_result
+    from helpers import REPO_ROOT
+    from helpers.programs import train
+    train.main(["--config", "configs/zero0.json", "--seq-len", "16", "--n-samples", "64", "--eval-samples", "16",
+                "--steps", "2", "--out", str(tmp_path / "run")])
+    run = read_result(tmp_path / "run" / "rank0.json")
+    assert run["skipped_steps"] == 0 and run["final_loss"] > 0 and run["tokens_per_s"] > 0
+    bench = read_result(REPO_ROOT / "benchmarks" / "measured" / "trainer_vs_plain_compiled_cpu_2core.json")
+    assert "ds0-compiled" in bench["compiled"] and bench["contenders"]["plain"]["vs_plain"] == 1.0
+    parts = [{"name": "bf16", "status": "passed", "seconds": 1.0, "result": run},
+             {"name": "benchmark", "status": "passed", "seconds": 2.0, "result": bench}]
+    text = markdown({"gpu": "a GPU", "torch": "2.x", "seconds": 3.0, "parts": parts})
+    assert "| bf16 | passed | 1 |" in text and "| ds0-compiled |" in text

@@ -51,7 +51,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every K steps (0: only at the end)")
     p.add_argument("--compile", action="store_true",
                    help="compile the model (DeepSpeed's engine.compile(), torch.compile): the first step "
-                        "compiles (a minute on a small CPU), later ones run faster")
+                        "compiles (20-40 s for a small model on a 2-core CPU), later ones run faster")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write each rank's result as OUT/rank<N>.json "
                                                "(what helpers.launch.run_program reads)")
