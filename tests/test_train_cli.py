@@ -127,6 +127,15 @@ def test_micro_batch_from_train_batch_size_and_world_size():
         train.trainer_arguments({**config, "train_batch_size": 63}, world_size=2)
 
 
+def test_deepcompile_in_the_file_means_compile():
+    """DeepSpeed applies its compile block only inside engine.compile(), so the file's DeepCompile switch
+    turns the trainer's compile on; without it the script compiles only when asked (--compile)."""
+    config = presets.preset("zero3")
+    assert train.trainer_arguments(config, world_size=1)["compile"] is False
+    deepcompile = train.trainer_arguments({**config, "compile": {"deepcompile": True}}, world_size=1)
+    assert deepcompile["compile"] is True and deepcompile["config_extra"]["compile"] == {"deepcompile": True}
+
+
 @pytest.mark.parametrize("change, problem", [
     ({"pipeline": {}}, "PipelineModule"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type='Lamb'"),

@@ -51,7 +51,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every K steps (0: only at the end)")
     p.add_argument("--compile", action="store_true",
                    help="compile the model (DeepSpeed's engine.compile(), torch.compile): the first step "
-                        "compiles (20-40 s for a small model on a 2-core CPU), later ones run faster")
+                        "compiles (20-40 s for a small model on a 2-core CPU), later ones run faster; implied "
+                        "by compile.deepcompile=true in the file (DeepCompile, CUDA only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write each rank's result as OUT/rank<N>.json "
                                                "(what helpers.launch.run_program reads)")
@@ -102,6 +103,8 @@ def trainer_arguments(config: dict, world_size: int) -> dict:
         # Only used to build the schedule, which the file's own block then replaces unchanged.
         warmup_steps=schedule.get("warmup_num_steps", 1), total_steps=schedule.get("total_num_steps", 1),
         zero_extra=zero,
+        # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
+        compile=bool(config.get("compile", {}).get("deepcompile")),
         config_extra={k: v for k, v in config.items() if k not in BUILT_BY_TRAINER + REPLACED})
 
 
@@ -167,8 +170,8 @@ def train(a: argparse.Namespace) -> dict:
     held_out = SyntheticTextDataset("markov", n_samples=a.eval_samples, seq_len=a.seq_len, seed=a.seed + 1,
                                     tokenizer=data.tokenizer)
     trainer = AdvancedDeepSpeedTrainer(data, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
-                                       name=Path(a.config).stem, resume_from=a.resume_from, compile=a.compile,
-                                       **arguments)
+                                       name=Path(a.config).stem, resume_from=a.resume_from,
+                                       **arguments | {"compile": arguments["compile"] or a.compile})
     problems = unhonoured(config, trainer.config)
     if problems:
         raise ConfigError("the trainer cannot run this file as written (set these to the trainer's values, "
