@@ -7,6 +7,8 @@ the checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from helpers.checkpoints import CheckpointMismatchError
@@ -41,12 +43,20 @@ class ResumableBatches:
 
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "micro_batch": self.micro_batch,
-                "world_size": self.world_size, "n_samples": len(self.tokens)}
+                "world_size": self.world_size, "n_samples": len(self.tokens), "tokens_sha256": self.fingerprint()}
+
+    def fingerprint(self) -> str:
+        """Which token ids these are: a resume on other text (or the same text tokenised otherwise) of
+        the same size would otherwise continue at the right position in the wrong data."""
+        return hashlib.sha256(self.tokens.numpy().tobytes()).hexdigest()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after the last sample the checkpoint's ranks drew: position p of W ranks x micro_batch mb
         is p*W*mb samples into the order, the same on any (W', mb') that divides it with the same epoch."""
         mine, saved = {"seed": self.seed, "n_samples": len(self.tokens)}, {k: state[k] for k in ("seed", "n_samples")}
+        if "tokens_sha256" in state and state["tokens_sha256"] != self.fingerprint():   # checkpoints before it lack it
+            raise CheckpointMismatchError("the checkpoint was trained on other token ids than this run's data "
+                                          f"(both {len(self.tokens)} rows): resume with the same data, seq_len and tokenizer")
         if saved != mine:
             raise CheckpointMismatchError(f"checkpoint's data order {saved} differs from this run's {mine}: "
                                           "resume with the same seed and dataset size")

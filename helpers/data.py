@@ -134,20 +134,25 @@ class MarkovSource:
         return " ".join(self.words[i] for i in indices)
 
 
-def train_tokenizer(texts: list[str], words: list[str] | None = None) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: list[str], words: list[str] | None = None, vocab_size: int | None = None,
+                    eos_token: str | None = None) -> PreTrainedTokenizerFast:
     """Train a word-level tokenizer locally and wrap it with the usual HF API.
 
     Word-level means one word is one token, so the entropy rate per word is exactly the optimal loss
     per token (BPE would split words and change the per-token floor). Every one of `words` gets an id.
+    `vocab_size` keeps only the most frequent words (the rest read as [UNK]: real text has a long tail);
+    `eos_token` adds a token that marks where one text ends and the next begins.
     """
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     # WhitespaceSplit (not Whitespace, which also splits off punctuation) splits exactly like
     # str.split, so tokens always match the words valid_fraction_of_text scores.
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # join tokens with spaces
-    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=0)
+    special = SPECIAL_TOKENS + ([eos_token] if eos_token else [])
+    trainer = trainers.WordLevelTrainer(special_tokens=special, min_frequency=0,
+                                        **({"vocab_size": vocab_size} if vocab_size else {}))
     tok.train_from_iterator(list(texts) + ([" ".join(words)] if words else []), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token=eos_token,
                                    clean_up_tokenization_spaces=False)
 
 

@@ -95,6 +95,13 @@ def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: flo
     where it has one) here first, so a typo or a value DeepSpeed would refuse mid-launch fails before
     any process starts, naming the option.
     """
+    module, args = checked_flags(program, n_ranks, launcher, out_dir, options)
+    return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher)
+
+
+def checked_flags(program: str, n_ranks: int, launcher: str, out_dir, options: dict) -> tuple[str, list[str]]:
+    """(module, flags) of helpers/programs/<program>.py with `options`, checked by the program's own parser and
+    its `check_options(args, n_ranks)` (where it has one); a mistake raises here, naming the option."""
     module = f"helpers.programs.{program}"
     _validate(module, n_ranks, launcher)
     code = importlib.import_module(module)
@@ -105,7 +112,7 @@ def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: flo
         raise ValueError(f"bad options {options} for {program} (see `python -m {module} --help`)") from None
     if hasattr(code, "check_options"):
         code.check_options(parsed, n_ranks)
-    return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher)
+    return module, args
 
 
 def per_run(ranks: list[dict], runs: str, label: str) -> dict:
@@ -126,15 +133,25 @@ def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir:
     killing every process the launch started.
     """
     _validate(module, n_ranks, launcher)
+    out = fresh_out_dir(out_dir)
+    port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it
+    cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]
+    returncode = _run(cmd, child_env(n_ranks), out / "logs" / "launcher.log", timeout)
+    _raise_if_failed(returncode, out, n_ranks, launcher, timeout)
+    return read_results(out, n_ranks)
+
+
+def fresh_out_dir(out_dir: str | Path) -> Path:
+    """OUT_DIR without an earlier run's results and logs (they must never pass for this run's), with logs/."""
     out = Path(out_dir).resolve()
-    shutil.rmtree(out / "logs", ignore_errors=True)   # an earlier run's files must never pass for this one's
+    shutil.rmtree(out / "logs", ignore_errors=True)
     for stale in out.glob("rank*.json"):
         stale.unlink()
     (out / "logs").mkdir(parents=True)
-    port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it
-    cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]
-    returncode = _run(cmd, _child_env(n_ranks), out / "logs" / "launcher.log", timeout)
-    _raise_if_failed(returncode, out, n_ranks, launcher, timeout)
+    return out
+
+
+def read_results(out: Path, n_ranks: int) -> list[dict]:
     return [{**json.loads((out / f"rank{r}.json").read_text()), "rank": r} for r in range(n_ranks)]   # by rank
 
 
@@ -175,7 +192,7 @@ def _run(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) ->
             return None
         finally:   # on a timeout, or an interrupted notebook cell, no rank may outlive this call
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_tree(proc)
 
 
 def _raise_if_failed(returncode: int | None, out: Path, n_ranks: int, launcher: str, timeout: float) -> None:
@@ -187,17 +204,17 @@ def _raise_if_failed(returncode: int | None, out: Path, n_ranks: int, launcher: 
                               f"{missing} (logs in {logs})\n{log}", missing[0] if len(missing) == 1 else None, None, log)
     if returncode != 0:
         rank = _first_traceback_rank(logs, n_ranks, launcher)
-        log = _all_tails(logs, n_ranks, launcher) if rank is None else _tail(_rank_logs(logs, rank, launcher))
+        log = _all_tails(logs, n_ranks, launcher) if rank is None else tail(_rank_logs(logs, rank, launcher))
         who = "a rank (none printed a traceback)" if rank is None else f"rank {rank}"
         raise RankFailedError(f"{who} failed, launcher exit code {returncode} (logs in {logs})\n{log}",
                               rank, returncode, log)
     if missing:
-        log = _tail(_rank_logs(logs, missing[0], launcher))
+        log = tail(_rank_logs(logs, missing[0], launcher))
         raise RankFailedError(f"rank {missing[0]} exited 0 but wrote no {out}/rank{missing[0]}.json "
                               f"(did it call write_result?)\n{log}", missing[0], 0, log)
 
 
-def _child_env(n_ranks: int) -> dict[str, str]:
+def child_env(n_ranks: int) -> dict[str, str]:
     if set(CPU_BF16_FLAGS) & cpu_flags():
         cpu_matmul_speeds()   # measured here once, inherited: every rank picks the same CPU precision
     env = with_repo_on_path({k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS})
@@ -215,7 +232,7 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every process below it. torchrun starts each rank in a session of
     its own, so killing the launcher's process group alone would leave the ranks running."""
     children = psutil.Process(proc.pid).children(recursive=True)   # before their parent dies
@@ -232,14 +249,15 @@ def _rank_logs(logs: Path, rank: int, launcher: str) -> list[Path]:
     return sorted(logs.glob(pattern), reverse=True)   # stdout before stderr, where the traceback is
 
 
-def _tail(paths: list[Path], lines: int = 40) -> str:
+def tail(paths: list[Path], lines: int = 40) -> str:
+    """The last `lines` lines of the files' text, read in the order given."""
     text = "".join(p.read_text(errors="replace") for p in paths)
     return "\n".join(text.splitlines()[-lines:])
 
 
 def _all_tails(logs: Path, n_ranks: int, launcher: str, lines: int = 10) -> str:
-    parts = [f"--- rank {r} ---\n{_tail(_rank_logs(logs, r, launcher), lines)}" for r in range(n_ranks)]
-    return "\n".join(parts + [f"--- launcher ---\n{_tail([logs / 'launcher.log'], lines)}"])
+    parts = [f"--- rank {r} ---\n{tail(_rank_logs(logs, r, launcher), lines)}" for r in range(n_ranks)]
+    return "\n".join(parts + [f"--- launcher ---\n{tail([logs / 'launcher.log'], lines)}"])
 
 
 def _first_traceback_rank(logs: Path, n_ranks: int, launcher: str) -> int | None:

@@ -221,7 +221,8 @@ class AdvancedDeepSpeedTrainer:
     def evaluate(self, data, max_batches: int = 16) -> float:
         """Mean next-token loss (nats/token) on `data`, without updating anything."""
         self.engine.eval()
-        batches = ResumableBatches(data, self.config["train_micro_batch_size_per_gpu"], seed=0)
+        # A small held-out set (a slice of your own text) may hold fewer rows than one micro-batch.
+        batches = ResumableBatches(data, min(self.config["train_micro_batch_size_per_gpu"], len(data)), seed=0)
         n = min(max_batches, batches.batches_per_epoch)
         losses = [self.engine(input_ids=(ids := batches.next().to(self.engine.device)), labels=ids).loss
                   for _ in range(n)]

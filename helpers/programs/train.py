@@ -6,6 +6,10 @@ many ranks as a launcher starts (the world size comes from the launcher, never f
     python -m helpers.programs.train --config configs/zero2.json             # 1 rank
     deepspeed --num_gpus 8 --module helpers.programs.train --config configs/zero3.json
     torchrun --nproc_per_node 8 -m helpers.programs.train --config configs/zero3.json
+    python -m helpers.programs.train --config configs/zero2.json --data my_text.txt  # your own text
+
+The data is synthetic Markov text (its best possible loss is known) unless --data names your own
+(helpers/own_text.py: a text file or folder, a dataset saved with save_to_disk, a hub name online).
 
 It writes TensorBoard scalars (OUTPUT_DIR/tensorboard), DeepSpeed checkpoints
 (OUTPUT_DIR/checkpoints, with the model config and tokenizer that `python -m helpers.export` needs)
@@ -43,8 +47,21 @@ def parse(argv=None) -> argparse.Namespace:
                         "a resumed run continues up to it")
     p.add_argument("--model-size", default="tiny", help="tiny, small, base, gpt2 or auto")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--n-samples", type=int, default=2048, help="training sequences (synthetic Markov text)")
-    p.add_argument("--eval-samples", type=int, default=256, help="held-out sequences for the final eval loss")
+    p.add_argument("--data", default=None,
+                   help="your own text: a text file, a folder of text files, a dataset saved with "
+                        "Dataset.save_to_disk, or a dataset name on the Hugging Face hub (online only); "
+                        "default: synthetic Markov text, whose best possible loss is known")
+    p.add_argument("--text-column", default="text", help="with --data: the column that holds the text")
+    p.add_argument("--tokenizer", default="word-level",
+                   help="with --data: 'word-level' (trained on your text here), a folder written by "
+                        "save_pretrained, or a tokenizer name on the hub (online only)")
+    p.add_argument("--vocab-size", type=int, default=8192,
+                   help="with --data and the word-level tokenizer: keep the most frequent words")
+    p.add_argument("--held-out", type=float, default=0.1,
+                   help="with --data: the fraction of rows held out for the final eval loss (drawn by --seed)")
+    p.add_argument("--n-samples", type=int, default=None, help="synthetic data only: training sequences (default 2048)")
+    p.add_argument("--eval-samples", type=int, default=None,
+                   help="synthetic data only: held-out sequences for the final eval loss (default 256)")
     p.add_argument("--output-dir", default=None, help="default: --out if given, else runs/train/<config name>")
     p.add_argument("--resume-from", default=None, help="a checkpoints directory written by an earlier run, or one checkpoint's own folder "
                                                        "(e.g. the output of ds_to_universal)")
@@ -64,6 +81,9 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--steps={a.steps} must be at least 1")
     if a.save_every < 0:
         p.error(f"--save-every={a.save_every} must be >= 0 (0: checkpoint only at the end)")
+    if a.data is not None and (a.n_samples is not None or a.eval_samples is not None):
+        p.error("--n-samples and --eval-samples size the synthetic data; with --data the size is your text's "
+                "(use --held-out for the held-out fraction)")
     return a
 
 
@@ -76,7 +96,27 @@ def check_options(a: argparse.Namespace, world_size: int) -> None:
     path = Path(a.config) if Path(a.config).is_file() else REPO_ROOT / a.config
     if not path.is_file():
         raise ConfigError(f"config file {a.config} not found (relative paths may start at the repository root)")
-    validate(load_json(path), device="cuda" if gpu_count() >= world_size else "cpu", world_size=world_size)
+    config = validate(load_json(path), device="cuda" if gpu_count() >= world_size else "cpu", world_size=world_size)
+    if a.data is not None:   # a data mistake (missing file, no text column, too little text) fails here too
+        own_data(a, config, world_size)
+
+
+def own_data(a: argparse.Namespace, config: dict, world_size: int):
+    """--data read, tokenised and packed to --seq-len: (train, held_out), or a DataError naming the problem."""
+    from helpers.own_text import load_own_text, require_global_batch
+    train, held_out = load_own_text(a.data, a.seq_len, tokenizer=a.tokenizer, text_column=a.text_column,
+                                    held_out=a.held_out, seed=a.seed, vocab_size=a.vocab_size)
+    accum = config.get("gradient_accumulation_steps", 1)
+    require_global_batch(train, _micro_batch(config, accum, world_size) * accum * world_size, a.data)
+    return train, held_out
+
+
+def synthetic_data(a: argparse.Namespace):
+    """Markov text whose best achievable loss is known: (train, held_out), sharing one tokenizer."""
+    from helpers.data import SyntheticTextDataset
+    data = SyntheticTextDataset("markov", n_samples=a.n_samples or 2048, seq_len=a.seq_len, seed=a.seed)
+    return data, SyntheticTextDataset("markov", n_samples=a.eval_samples or 256, seq_len=a.seq_len,
+                                      seed=a.seed + 1, tokenizer=data.tokenizer)
 
 
 def precision_of(config: dict) -> str:
@@ -159,16 +199,13 @@ def unhonoured(wanted: dict, used: dict, prefix: str = "") -> list[str]:
 
 def train(a: argparse.Namespace) -> dict:
     """Build the trainer from the file, train to --steps with checkpoints, and report the run."""
-    from helpers.data import SyntheticTextDataset
     from helpers.runtime import detect, process_rank, run_dir, world_size
     from helpers.trainer import AdvancedDeepSpeedTrainer
     config = validate(load_json(a.config), device=detect().device, world_size=world_size())
     arguments = trainer_arguments(config, world_size())   # refuse a bad file before building anything
     steps = run_length(config, a.steps)
     output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
-    data = SyntheticTextDataset("markov", n_samples=a.n_samples, seq_len=a.seq_len, seed=a.seed)
-    held_out = SyntheticTextDataset("markov", n_samples=a.eval_samples, seq_len=a.seq_len, seed=a.seed + 1,
-                                    tokenizer=data.tokenizer)
+    data, held_out = own_data(a, config, world_size()) if a.data is not None else synthetic_data(a)
     trainer = AdvancedDeepSpeedTrainer(data, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
                                        name=Path(a.config).stem, resume_from=a.resume_from,
                                        **arguments | {"compile": arguments["compile"] or a.compile})
@@ -180,7 +217,7 @@ def train(a: argparse.Namespace) -> dict:
                                          progress=process_rank() == 0)
     return {"config": str(a.config), "world_size": trainer.engine.world_size, "rank": process_rank(),
             "steps": trainer.step, "history": trainer.history, "eval_loss": trainer.evaluate(held_out),
-            "floor_nats": data.floor_nats, "summary": trainer.summary(), "checkpoint": str(checkpoint),
+            "floor_nats": data.floor_nats, "data": a.data or "synthetic Markov text", "summary": trainer.summary(), "checkpoint": str(checkpoint),
             "tensorboard": str(trainer.tensorboard_logdir), "output_dir": str(output_dir)}
 
 
@@ -211,8 +248,9 @@ def main(argv=None) -> dict:
         metrics = Path(result["output_dir"]) / "metrics.json"
         metrics.write_text(json.dumps(result, indent=1))
         print(f"trained {result['steps']} steps on {result['world_size']} rank(s): final loss "
-              f"{result['history'][-1]['loss']:.3f}, held-out loss {result['eval_loss']:.3f} "
-              f"(floor {result['floor_nats']:.3f})\n"
+              f"{result['history'][-1]['loss']:.3f}, held-out loss {result['eval_loss']:.3f}"
+              + (f" (floor {result['floor_nats']:.3f})" if result["floor_nats"] is not None else "")
+              + f" on {result['data']}\n"
               f"metrics:     {metrics}\ncheckpoint:  {result['checkpoint']}\n"
               f"tensorboard: tensorboard --logdir {Path(result['tensorboard']).parent}")
     return result
