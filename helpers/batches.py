@@ -56,7 +56,7 @@ class ResumableBatches:
         mine, saved = {"seed": self.seed, "n_samples": len(self.tokens)}, {k: state[k] for k in ("seed", "n_samples")}
         if "tokens_sha256" in state and state["tokens_sha256"] != self.fingerprint():   # checkpoints before it lack it
             raise CheckpointMismatchError("the checkpoint was trained on other token ids than this run's data "
-                                          f"(both {len(self.tokens)} rows): resume with the same data, seq_len and tokenizer")
+                                          f"({len(self.tokens)} rows): resume with the same data, seq_len and tokenizer")
         if saved != mine:
             raise CheckpointMismatchError(f"checkpoint's data order {saved} differs from this run's {mine}: "
                                           "resume with the same seed and dataset size")

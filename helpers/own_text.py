@@ -54,8 +54,12 @@ def load_own_text(source: str | Path, seq_len: int, *, tokenizer: str = WORD_LEV
                   held_out: float = 0.1, seed: int = 0, vocab_size: int = 8192) -> tuple[PackedText, PackedText]:
     """(train, held_out) from `source`. The held-out rows are drawn by `seed` (datasets'
     train_test_split), so every rank and every resumed run carves out the same ones."""
-    if not 0 < held_out < 1:
-        raise DataError(f"held_out={held_out!r} must be a fraction between 0 and 1 (e.g. 0.1)")
+    if not isinstance(held_out, float) or not 0 < held_out < 1:
+        raise DataError(f"--held-out {held_out!r} must be a fraction between 0 and 1 (e.g. 0.1)")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise DataError(f"--seq-len {seq_len!r} must be an integer of at least 2 (a token and the next one to predict)")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 4:
+        raise DataError(f"--vocab-size {vocab_size!r} must be an integer of at least 4 (3 ids are [PAD], [UNK], [EOS])")
     texts = read_texts(source, text_column)
     tok = (train_tokenizer(texts, vocab_size=vocab_size, eos_token=END_OF_TEXT) if tokenizer == WORD_LEVEL
            else pretrained_tokenizer(tokenizer))
@@ -185,10 +189,10 @@ def pretrained_tokenizer(name: str):
 def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
     """All texts as one token stream (the tokenizer's end-of-text token between them, where it has one),
     cut into rows of `seq_len`; the last partial row is dropped."""
-    if seq_len < 2:
-        raise DataError(f"--seq-len {seq_len} must be at least 2 (a token and the next one to predict)")
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids = [i for row in tokenizer(texts, add_special_tokens=False)["input_ids"] for i in row + separator]
+    # split_special_tokens: a "[UNK]" or "<|endoftext|>" written in your text is text, not the special token.
+    rows = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    ids = [i for row in rows for i in row + separator]
     n_rows = len(ids) // seq_len
     return torch.tensor(ids[:n_rows * seq_len], dtype=torch.long).view(n_rows, seq_len)
 

@@ -11,11 +11,12 @@ from helpers.own_text import DataError, load_own_text
 from helpers.programs import train as program
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
-LINES = ["the cat sat on the mat", "the dog sat on the log", "", "a bird sang in the tree"]
+LINES = ["the cat sat on the mat", "the dog sat on the log", "", "a bird sang `[EOS]`, in (the [UNK])"]
 
 
 def words_of(lines: list[str]) -> list[str]:
-    """What the word-level tokenizer should read, derived with str.split: each non-blank line's words, then [EOS]."""
+    """What the word-level tokenizer should read, derived with str.split: each non-blank line's words, then [EOS]
+    (text that contains "[EOS]" or "[UNK]" inside a word is read as that word, not split at the special token)."""
     return [w for line in lines if line.strip() for w in line.split() + ["[EOS]"]]
 
 
@@ -28,7 +29,7 @@ def test_a_text_file_is_packed_word_by_word(tmp_path):
     parts = load_own_text(tmp_path / "t.txt", seq_len=5, held_out=0.2)
     words = words_of(LINES * 5)
     assert all_rows_as_words(parts) == sorted(words[i:i + 5] for i in range(0, len(words) - 4, 5))
-    assert [len(p) for p in parts] == [17, 4]   # 105 words = 21 rows of 5, round(0.2 x 21) = 4 held out
+    assert [len(p) for p in parts] == [18, 4]   # (7 + 7 + 8) x 5 = 110 words = 22 rows of 5, round(0.2 x 22) = 4 held out
     assert parts[0].seq_len == 5 and parts[0].vocab_size == len(set(words)) + 2   # + [PAD], [UNK]
 
 
@@ -89,12 +90,15 @@ def _bad_inputs(tmp_path):
     ("columns", {"text_column": "n"}, "column 'n' holds Value('int64'), not text"),
     ("splits", {}, "without a 'train' split (it has ['validation'])"),
     ("short.txt", {}, "0 row(s) of --seq-len 16 tokens"),
-    ("blank.txt", {"held_out": 1.5}, "held_out=1.5 must be a fraction"),
+    ("blank.txt", {"held_out": 1.5}, "--held-out 1.5 must be a fraction"),
+    ("blank.txt", {"held_out": "0.1"}, "--held-out '0.1' must be a fraction"),
+    ("blank.txt", {"seq_len": 1}, "--seq-len 1 must be an integer of at least 2"),
+    ("blank.txt", {"vocab_size": 2}, "--vocab-size 2 must be an integer of at least 4"),
 ])
 def test_bad_data_input_is_named(tmp_path, source, options, message):
     _bad_inputs(tmp_path)
     with pytest.raises(DataError) as error:
-        load_own_text(tmp_path / source, seq_len=16, **options)
+        load_own_text(tmp_path / source, **{"seq_len": 16} | options)
     assert message in str(error.value)
 
 
@@ -114,16 +118,19 @@ def test_a_saved_tokenizer_folder_is_used_as_it_is(tmp_path):
 
 
 def test_data_shorter_than_one_global_batch_stops_before_any_rank_starts(tmp_path):
-    (tmp_path / "t.txt").write_text("\n".join(LINES * 20))   # 420 tokens: 26 rows of 16, 3 held out
+    (tmp_path / "t.txt").write_text("\n".join(LINES * 20))   # 440 tokens: 27 rows of 16, 3 held out
     args = program.parse(["--config", "configs/zero2.json", "--data", str(tmp_path / "t.txt"), "--seq-len", "16"])
-    with pytest.raises(DataError, match=r"23 training rows of 16 tokens, fewer than one global batch \(32 rows"):
+    with pytest.raises(DataError, match=r"24 training rows of 16 tokens, fewer than one global batch \(32 rows"):
         program.check_options(args, world_size=2)
 
 
-def test_synthetic_size_flags_with_data_are_refused(capsys):
+def test_synthetic_size_flags_with_data_and_data_flags_without_it_are_refused(capsys):
     with pytest.raises(SystemExit):
         program.parse(["--config", "configs/zero2.json", "--data", "README.md", "--n-samples", "64"])
     assert "with --data the size is your text's" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        program.parse(["--config", "configs/zero2.json", "--tokenizer", "gpt2", "--held-out", "0.2"])
+    assert "--tokenizer, --held-out only apply to your own text: add --data" in capsys.readouterr().err
 
 
 def test_a_data_mistake_is_one_line_from_the_script(tmp_path):
@@ -151,7 +158,6 @@ def test_training_on_own_text_resumes_exactly(own_data, tmp_path):
     resumed = _run(tmp_path / "resumed", own_data, "--steps", "4",
                    "--resume-from", str(tmp_path / "straight" / "checkpoints" / "step2"))
     assert straight["floor_nats"] is None and straight["data"] == str(own_data)
-    assert straight["history"][0]["loss"] > straight["history"][-1]["loss"]   # it learns
     assert [m["loss"] for m in resumed["history"][2:]] == [m["loss"] for m in straight["history"][2:]]
     assert resumed["eval_loss"] == straight["eval_loss"]
 

@@ -51,14 +51,14 @@ def parse(argv=None) -> argparse.Namespace:
                    help="your own text: a text file, a folder of text files, a dataset saved with "
                         "Dataset.save_to_disk, or a dataset name on the Hugging Face hub (online only); "
                         "default: synthetic Markov text, whose best possible loss is known")
-    p.add_argument("--text-column", default="text", help="with --data: the column that holds the text")
-    p.add_argument("--tokenizer", default="word-level",
-                   help="with --data: 'word-level' (trained on your text here), a folder written by "
-                        "save_pretrained, or a tokenizer name on the hub (online only)")
-    p.add_argument("--vocab-size", type=int, default=8192,
-                   help="with --data and the word-level tokenizer: keep the most frequent words")
-    p.add_argument("--held-out", type=float, default=0.1,
-                   help="with --data: the fraction of rows held out for the final eval loss (drawn by --seed)")
+    # The four options of --data default to None here, so that load_own_text's defaults are the only ones.
+    p.add_argument("--text-column", help="with --data: the column that holds the text (default: text)")
+    p.add_argument("--tokenizer", help="with --data: 'word-level' (the default: trained on your text here), a "
+                                       "folder written by save_pretrained, or a tokenizer name on the hub (online only)")
+    p.add_argument("--vocab-size", type=int,
+                   help="with --data and the word-level tokenizer: keep the most frequent words (default 8192)")
+    p.add_argument("--held-out", type=float,
+                   help="with --data: the fraction of rows held out for the final eval loss, drawn by --seed (default 0.1)")
     p.add_argument("--n-samples", type=int, default=None, help="synthetic data only: training sequences (default 2048)")
     p.add_argument("--eval-samples", type=int, default=None,
                    help="synthetic data only: held-out sequences for the final eval loss (default 256)")
@@ -84,6 +84,9 @@ def parse(argv=None) -> argparse.Namespace:
     if a.data is not None and (a.n_samples is not None or a.eval_samples is not None):
         p.error("--n-samples and --eval-samples size the synthetic data; with --data the size is your text's "
                 "(use --held-out for the held-out fraction)")
+    if a.data is None and own_text_options(a):
+        p.error(f"{', '.join('--' + k.replace('_', '-') for k in own_text_options(a))} only apply to your own "
+                "text: add --data FILE_OR_FOLDER")
     return a
 
 
@@ -104,11 +107,16 @@ def check_options(a: argparse.Namespace, world_size: int) -> None:
 def own_data(a: argparse.Namespace, config: dict, world_size: int):
     """--data read, tokenised and packed to --seq-len: (train, held_out), or a DataError naming the problem."""
     from helpers.own_text import load_own_text, require_global_batch
-    train, held_out = load_own_text(a.data, a.seq_len, tokenizer=a.tokenizer, text_column=a.text_column,
-                                    held_out=a.held_out, seed=a.seed, vocab_size=a.vocab_size)
+    train, held_out = load_own_text(a.data, a.seq_len, seed=a.seed, **own_text_options(a))
     accum = config.get("gradient_accumulation_steps", 1)
     require_global_batch(train, _micro_batch(config, accum, world_size) * accum * world_size, a.data)
     return train, held_out
+
+
+def own_text_options(a: argparse.Namespace) -> dict:
+    """The --data options given on the command line, as load_own_text's keyword arguments."""
+    given = dict(tokenizer=a.tokenizer, text_column=a.text_column, held_out=a.held_out, vocab_size=a.vocab_size)
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def synthetic_data(a: argparse.Namespace):
