@@ -39,8 +39,8 @@ class PackedText(torch.utils.data.Dataset):
 
     floor_nats = None
 
-    def __init__(self, rows: torch.Tensor, tokenizer, source: str):
-        self.rows, self.tokenizer, self.source = rows, tokenizer, source
+    def __init__(self, rows: torch.Tensor, tokenizer):
+        self.rows, self.tokenizer = rows, tokenizer
         self.seq_len, self.vocab_size = rows.shape[1], len(tokenizer)
 
     def __len__(self) -> int:
@@ -69,7 +69,7 @@ def load_own_text(source: str | Path, seq_len: int, *, tokenizer: str = WORD_LEV
                         "at least 2 (one to train on, one held out): use more text or a shorter --seq-len")
     split = datasets.Dataset.from_dict({"row": np.arange(len(rows))}).train_test_split(
         test_size=max(1, round(held_out * len(rows))), seed=seed)
-    return tuple(PackedText(rows[split[part]["row"]], tok, str(source)) for part in ("train", "test"))
+    return tuple(PackedText(rows[split[part]["row"]], tok) for part in ("train", "test"))
 
 
 def read_texts(source: str | Path, text_column: str = "text") -> list[str]:
