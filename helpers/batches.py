@@ -54,12 +54,12 @@ class ResumableBatches:
         """Continue after the last sample the checkpoint's ranks drew: position p of W ranks x micro_batch mb
         is p*W*mb samples into the order, the same on any (W', mb') that divides it with the same epoch."""
         mine, saved = {"seed": self.seed, "n_samples": len(self.tokens)}, {k: state[k] for k in ("seed", "n_samples")}
-        if "tokens_sha256" in state and state["tokens_sha256"] != self.fingerprint():   # checkpoints before it lack it
-            raise CheckpointMismatchError("the checkpoint was trained on other token ids than this run's data "
-                                          f"({len(self.tokens)} rows): resume with the same data, seq_len and tokenizer")
         if saved != mine:
             raise CheckpointMismatchError(f"checkpoint's data order {saved} differs from this run's {mine}: "
                                           "resume with the same seed and dataset size")
+        if "tokens_sha256" in state and state["tokens_sha256"] != self.fingerprint():   # checkpoints before it lack it
+            raise CheckpointMismatchError("the checkpoint was trained on other token ids than this run's data "
+                                          f"(both {len(self.tokens)} rows): resume with the same data, seq_len and tokenizer")
         step, saved_step = self.micro_batch * self.world_size, state["micro_batch"] * state["world_size"]
         consumed, epoch = state["position"] * saved_step, len(self.tokens) // saved_step * saved_step
         if consumed % step or epoch != self.batches_per_epoch * step:
