@@ -122,9 +122,11 @@ def own_text_options(a: argparse.Namespace) -> dict:
 def synthetic_data(a: argparse.Namespace):
     """Markov text whose best achievable loss is known: (train, held_out), sharing one tokenizer."""
     from helpers.data import SyntheticTextDataset
-    data = SyntheticTextDataset("markov", n_samples=a.n_samples or 2048, seq_len=a.seq_len, seed=a.seed)
-    return data, SyntheticTextDataset("markov", n_samples=a.eval_samples or 256, seq_len=a.seq_len,
-                                      seed=a.seed + 1, tokenizer=data.tokenizer)
+    n_train, n_held_out = [default if given is None else given   # a 0 given must reach the dataset's own check
+                           for given, default in ((a.n_samples, 2048), (a.eval_samples, 256))]
+    data = SyntheticTextDataset("markov", n_samples=n_train, seq_len=a.seq_len, seed=a.seed)
+    return data, SyntheticTextDataset("markov", n_samples=n_held_out, seq_len=a.seq_len, seed=a.seed + 1,
+                                      tokenizer=data.tokenizer)
 
 
 def precision_of(config: dict) -> str:
