@@ -54,9 +54,8 @@ def run_on_nodes(program: str, nodes: int, ranks_per_node: int, *, out_dir: str 
     commands = node_commands(module, ["--out", str(out), *args], nodes=nodes, ranks_per_node=ranks_per_node,
                              port=free_port(), launcher=launcher, hostfile=hostfile)
     returncodes = _run_side_by_side(commands, child_env(world), out / "logs", timeout)
-    failed = {node: code for node, code in enumerate(returncodes) if code != 0}
     missing = [r for r in range(world) if not (out / f"rank{r}.json").exists()]
-    if failed or missing:
+    if any(code != 0 for code in returncodes) or missing:   # None (timed out) counts as failed
         logs = "\n".join(f"--- node {n} ---\n{tail([out / 'logs' / f'node{n}.log'], 15)}" for n in range(nodes))
         what = "timed out" if None in returncodes else f"exit codes by node {returncodes}"
         raise RankFailedError(f"{what}; ranks without a result: {missing} (logs in {out / 'logs'})\n{logs}",

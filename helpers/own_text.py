@@ -177,10 +177,11 @@ def require_online(what: str, offline_alternative: str) -> None:
 def pretrained_tokenizer(name: str):
     """A tokenizer saved with save_pretrained (a folder, e.g. a checkpoint's) or a hub name (online)."""
     from transformers import AutoTokenizer
-    if not Path(name).expanduser().is_dir():
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
         require_online(f"--tokenizer {name}", f"use --tokenizer {WORD_LEVEL} (trained on your text here), "
                                               "or a folder written by tokenizer.save_pretrained")
-    tok = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name)
+    tok = AutoTokenizer.from_pretrained(str(folder) if folder.is_dir() else name)
     if tok.pad_token is None:   # GPT-2's has none; packed rows never pad, the model only needs an id
         tok.pad_token = tok.eos_token
     return tok
