@@ -18,6 +18,7 @@ import torch
 
 from helpers.batches import ResumableBatches
 from helpers.model import build_model
+from helpers.runtime import keep_freed_memory
 from helpers.trainer import AdvancedDeepSpeedTrainer, trainer_config
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.01  # what helpers.config.build_config writes
@@ -72,10 +73,12 @@ def warmup_decay(k: int, warmup: int, total: int) -> float:
 class Plain:
     """The loop a reader writes by hand, with torch's fused AdamW (the trainer's optimizer; see
     helpers.trainer.trainer_config) and bf16 through autocast when the precision is bf16; compiled, the
-    model is torch.compile'd."""
+    model is torch.compile'd; keep_memory: glibc's malloc keeps freed memory, as the trainer has it on a CPU."""
 
-    def __init__(self, data: TokenData, s: Setup, compile: bool = False):
+    def __init__(self, data: TokenData, s: Setup, compile: bool = False, keep_memory: bool = False):
         self.device, self.clip, self.losses, self.lrs = s.device, s.grad_clip, [], []
+        if keep_memory:
+            keep_freed_memory()
         self.model = build_model(data.vocab_size, data.seq_len, s.model_size, data.tokenizer.pad_token_id,
                                  s.seed).to(s.device).train()
         if compile:   # torch.compile in place, as DeepSpeed's engine.compile() does to its module
@@ -265,16 +268,18 @@ def hf_arguments(config: dict, s: Setup, out: Path, compile: bool = False):
 
 
 COMPILED = "-compiled"   # the suffix of a compiled contender's name: plain-compiled, ds2-compiled, hf0-compiled
+PLAIN_KEPT = "plain-kept"   # the plain loop with glibc's malloc keeping freed memory (helpers.runtime.keep_freed_memory)
 
 
 def make_contender(name: str, data: TokenData, setup: Setup):
-    """'plain', 'plain2' (the same loop again: a control), 'ds<stage>' or 'hf<stage>'; each with the suffix
-    '-compiled' for its torch.compile'd twin."""
+    """'plain', 'plain2' (the same loop again: a control), 'plain-kept' (the loop with the trainer's CPU
+    memory setting: a control), 'ds<stage>' or 'hf<stage>'; each with the suffix '-compiled' for its
+    torch.compile'd twin."""
     base, compile = name.removesuffix(COMPILED), name.endswith(COMPILED)
-    if base in ("plain", "plain2"):
-        return Plain(data, setup, compile)
+    if base in ("plain", "plain2", PLAIN_KEPT):
+        return Plain(data, setup, compile, keep_memory=base == PLAIN_KEPT)
     kinds = {"ds": DeepSpeedTrainer, "hf": HFTrainer}
     if base[:2] in kinds and base[2:].isdigit():
         return kinds[base[:2]](data, setup, int(base[2:]), compile)
-    raise ValueError(f"unknown contender {name!r}: use 'plain', 'plain2', 'ds0'..'ds3' or 'hf0'..'hf3', "
-                     f"each optionally with {COMPILED!r}")
+    raise ValueError(f"unknown contender {name!r}: use 'plain', 'plain2', {PLAIN_KEPT!r}, 'ds0'..'ds3' or "
+                     f"'hf0'..'hf3', each optionally with {COMPILED!r}")

@@ -35,7 +35,9 @@ def markdown(r: dict, k: int) -> str:
             f"{row['state_mib']:,.1f} | {row['max_loss_diff_first_steps']:.1e} / {row['max_loss_diff_all_steps']:.1e} "
             f"| {row['final_loss']:.4f} |")
     lines += ["", f"plain = hand-written loop, dsN = AdvancedDeepSpeedTrainer at ZeRO N, hfN = HF Trainer with "
-              f"deepspeed= the same config, plain2 = the plain loop again (its ratio to plain is the noise floor). "
+              f"deepspeed= the same config, plain2 = the plain loop again (its ratio to plain is the noise floor), "
+              f"plain-kept = the plain loop with glibc's malloc keeping freed memory, as the trainer has it on a "
+              f"CPU (helpers.runtime.keep_freed_memory; its ratio to plain is what that alone is worth). "
               f"Ratios > 1: faster. Median: of the per-round ratios (blocks of a round run close together); "
               f"best blocks: the fastest block of each, which other load on a shared machine can only slow "
               f"down. {len(rows['plain']['losses'])} steps each; "

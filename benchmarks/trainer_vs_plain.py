@@ -37,7 +37,7 @@ from helpers.data import SyntheticTextDataset
 from helpers.runtime import detect
 from helpers.model import MODEL_SIZES
 
-from .contenders import COMPILED, Setup, TokenData
+from .contenders import COMPILED, PLAIN_KEPT, Setup, TokenData
 from .tables import markdown
 from .workers import Worker
 
@@ -70,7 +70,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compiled-stages", type=int, nargs="*",
                    help="ZeRO stages of the trainer to run compiled too (with them: plain-compiled)")
     p.add_argument("--hf-compiled-stages", type=int, nargs="*", help="ZeRO stages of HF Trainer(torch_compile=True)")
-    p.add_argument("--no-control", action="store_true", default=None, help="leave out plain2 (the plain loop again)")
+    p.add_argument("--no-control", action="store_true", default=None,
+                   help="leave out plain2 (the plain loop again) and, on a CPU, plain-kept")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -117,9 +118,12 @@ def contender_names(a) -> list[str]:
     Trainer at that stage and their compiled twins (the pairs compared run back to back in every round),
     then plain2: the plain loop again in a process of its own, as far from plain as the order allows. Its
     ratio to plain is the noise floor: what separate processes and a shared machine make of two identical
-    contenders."""
+    contenders. On a CPU, plain-kept (after plain-compiled) is the plain loop with the memory setting the
+    trainer makes there (helpers.runtime.keep_freed_memory): its ratio to plain is what that setting alone
+    is worth."""
     compiled = a.compiled_stages or a.hf_compiled_stages
     names = ["plain"] + ([f"plain{COMPILED}"] if compiled else [])
+    names += [PLAIN_KEPT] if a.device == "cpu" and not a.no_control else []
     kinds = (("ds", a.stages, ""), ("hf", a.hf_stages, ""), ("ds", a.compiled_stages, COMPILED),
              ("hf", a.hf_compiled_stages, COMPILED))
     for stage in sorted(set().union(*(stages for _, stages, _ in kinds))):

@@ -18,7 +18,7 @@ from .batches import ResumableBatches
 from .config import build_config, validate
 from .memory.measured import peak_memory
 from .model import MODEL_SIZES, auto_model_size, build_model, enable_checkpointing, generate
-from .runtime import detect, init_single_process, process_rank, quiet_deepspeed, run_dir, world_size
+from .runtime import detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, run_dir, world_size
 
 def one_rank_cpu_zero_defaults(zero_stage: int) -> dict:
     """ZeRO settings for one rank on a CPU, where no gradient is exchanged.
@@ -116,6 +116,8 @@ class AdvancedDeepSpeedTrainer:
         quiet_deepspeed()
         init_single_process()
         set_seed(seed)   # Python, NumPy and torch, so runs repeat
+        if not self.runtime.is_gpu:   # every step's activations reuse the last step's pages (no page faults)
+            keep_freed_memory()
         model = build_model(vocab_size, self.n_positions, self.model_size, self.tokenizer.pad_token_id, seed)
         if self.gradient_checkpointing:
             enable_checkpointing(model)

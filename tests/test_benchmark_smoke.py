@@ -56,7 +56,7 @@ def test_flops_per_token_counts_the_models_own_parameters(result):
 
 def test_trainer_and_hf_of_a_stage_run_back_to_back():
     a = parse(["--device", "cpu", "--stages", "0", "1", "2", "3", "--hf-stages", "0", "1", "2"])
-    assert contender_names(a) == ["plain", "plain-compiled", "ds0", "hf0", "ds0-compiled", "hf0-compiled", "ds1",
+    assert contender_names(a) == ["plain", "plain-compiled", "plain-kept", "ds0", "hf0", "ds0-compiled", "hf0-compiled", "ds1",
                                   "hf1", "ds1-compiled", "ds2", "hf2", "ds2-compiled", "ds3", "plain2"]
 
 
