@@ -10,7 +10,8 @@ hits every contender. A block's clock covers all a contender does per step: data
 clipping, update, the loss's host sync, its logging.
 Per contender: the median tokens/s over rounds; the median (min-max) of the per-round ratios to the
 plain loop (blocks of one round run close together, under similar noise); and the ratio of the fastest
-blocks (timeit's rule: other load on a shared machine only ever slows a block down). The JSON also
+blocks (timeit's rule: other load on a shared machine only ever slows a block down). Page faults per
+step: the fresh pages the kernel mapped in (helpers.runtime.keep_freed_memory's target). The JSON also
 holds each block's CPU seconds.
 plain2, the plain loop a second time in another process, shows the noise floor of those ratios.
 MFU = achieved FLOP/s / the machine's peak matmul FLOP/s in the run's precision, measured in this run
@@ -154,7 +155,7 @@ def run(a) -> dict:
         peaks = [matmul_flops(a.matmul_size, a.device, dtype)]
         # Warm-up block: allocator, kernels, optimizer state, and a compiled contender's compilation.
         first = {w.name: w.call("train", a.steps) for w in workers}
-        blocks = {w.name: [] for w in workers}   # per round: {"wall_s", "cpu_s"}
+        blocks = {w.name: [] for w in workers}   # per round: {"wall_s", "cpu_s", "page_faults"}
         for r in range(a.rounds):
             for w in workers if r % 2 == 0 else workers[::-1]:
                 blocks[w.name].append(w.call("train", a.steps))
@@ -207,6 +208,8 @@ def report(a, data, first: dict, blocks: dict, reports: dict, peak: float, secon
             # CPU seconds the process used (in the JSON only: at 2+ threads, waiting threads spin, so
             # other load inflates it too). Ratio = plain's CPU time / this one's.
             "cpu_s_per_step": statistics.median(cpus[name]) / a.steps,
+            # Minor page faults (fresh pages the kernel zeroes), what helpers.runtime.keep_freed_memory saves.
+            "page_faults_per_step": statistics.median(b["page_faults"] for b in blocks[name]) / a.steps,
             "vs_plain_cpu": ratio_stats(cpus[name], cpus["plain"]),
             "vs_hf_same_stage_cpu": ratio_stats(cpus[name], cpus[hf]) if hf in cpus else None,
             "vs_hf_same_stage": ratio_stats(walls[name], walls[hf]) if hf in walls else None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import shutil
 import time
 import traceback
@@ -67,10 +68,12 @@ def serve(conn, name: str, data, setup, log_path: str) -> None:
             command, arg = conn.recv()
             if command == "train":
                 wall, cpu = time.perf_counter(), time.process_time()   # process_time: all this process's threads
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt   # pages the kernel had to map in
                 contender.train(arg)
                 if setup.device == "cuda":
                     torch.cuda.synchronize()
-                conn.send(("ok", {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}))
+                conn.send(("ok", {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+                                  "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}))
             elif command == "report":
                 contender.finish()
                 conn.send(("ok", {"losses": contender.losses, "lrs": contender.lrs,

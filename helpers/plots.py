@@ -274,8 +274,10 @@ def curriculum(result: dict, save_dir=None):
 
 def compile_break_even(cumulative: dict[str, list[float]], compile_s: float, step_s: dict[str, float],
                        break_even: float | None, save_dir=None):
-    """Wall seconds spent after n steps, eager vs compiled: the measured run (solid) and, dashed, where the
-    measured compile time and steady step times lead (first compiled step + n x step time)."""
+    """Wall seconds spent after n steps, eager vs compiled (the two keys of `cumulative` and `step_s`, the
+    eager run first): the measured run (solid) and, dashed, where the measured compile time and steady
+    step times lead (first compiled step + n x step time)."""
+    eager, compiled = cumulative
     fig, ax = plt.subplots(figsize=(7, 3.4))
     n_max = max(len(c) for c in cumulative.values())
     horizon = int(1.3 * break_even) if break_even and break_even > n_max else n_max
@@ -286,7 +288,7 @@ def compile_break_even(cumulative: dict[str, list[float]], compile_s: float, ste
         ax.plot(n, start + n * step_s[name], color=colour, linestyle="--", alpha=0.6, label=f"{name}, projected")
     if break_even:
         ax.axvline(break_even, color="grey", linestyle=":", label=f"break-even: {break_even:,.0f} steps")
-    saved_ms = 1e3 * (step_s["eager"] - step_s["compiled"])
+    saved_ms = 1e3 * (step_s[eager] - step_s[compiled])
     title = (f"Compiling cost {compile_s:.0f} s once, then saved {saved_ms:.1f} ms a step" if break_even
              else f"Compiling cost {compile_s:.0f} s; the compiled steps were not faster here")
     ax.set(title=title, xlabel="optimizer steps", ylabel="wall seconds so far")
