@@ -9,7 +9,8 @@ alike step by step. The trainer runs its real train_step(); DeepSpeed's forward,
 are timed by wrapping the engine's own methods, and whatever else the step does (data, the trainer's
 gradient norm at ZeRO 0, the loss's host sync, metrics) is the rest. Medians over steps, milliseconds,
 and the trainer's speed relative to the plain loop: the median over steps of plain step / trainer step
-(> 1: the trainer is faster).
+(> 1: the trainer is faster). The trainer's CPU memory setting (helpers.runtime.keep_freed_memory) is
+process-wide, so the plain loop here runs with it too: this compares the two loops' own work.
 """
 from __future__ import annotations
 

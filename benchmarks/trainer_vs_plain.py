@@ -77,6 +77,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/benchmarks/trainer_vs_plain.json")
+    p.add_argument("--work-dir", default="runs/benchmarks/trainer_vs_plain",
+                   help="scratch: each worker's log, TensorBoard files and inductor cache (kept apart from --out, "
+                        "which may be a folder you commit)")
     a = p.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,7 +149,7 @@ def run(a) -> dict:
     data = load_data(a)
     setup = Setup(device=a.device, precision=a.precision, model_size=a.model_size, micro_batch=a.micro_batch,
                   lr=a.lr, warmup=a.warmup, total=a.total, grad_clip=a.grad_clip, seed=a.seed, threads=a.threads,
-                  out_dir=str(Path(a.out).parent / "trainer_vs_plain"))
+                  out_dir=a.work_dir)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.precision]
     workers = [Worker(name, data, setup) for name in contender_names(a)]
     try:

@@ -12,7 +12,7 @@ from helpers.model import build_model
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
-    returned = main(["--smoke", "--device", "cpu", "--out", str(out)])
+    returned = main(["--smoke", "--device", "cpu", "--out", str(out), "--work-dir", str(out.parent / "work")])
     return returned, json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
