@@ -268,7 +268,7 @@ def hf_arguments(config: dict, s: Setup, out: Path, compile: bool = False):
 
 
 COMPILED = "-compiled"   # the suffix of a compiled contender's name: plain-compiled, ds2-compiled, hf0-compiled
-PLAIN_KEPT = "plain-kept"   # the plain loop with glibc's malloc keeping freed memory (helpers.runtime.keep_freed_memory)
+PLAIN_KEPT = "plain-kept"   # the plain loop with glibc's malloc keeping freed memory (keep_freed_memory)
 
 
 def make_contender(name: str, data: TokenData, setup: Setup):

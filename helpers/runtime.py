@@ -220,10 +220,10 @@ def keep_freed_memory() -> bool:
     By default glibc gives a block of 128 KiB+ (its threshold adapts up to 32 MiB) a mapping of its own,
     unmapped again when freed, and trims the heap when its free top grows past twice that threshold. A
     training step allocates and frees its activations and gradients every time, so every step touches
-    fresh pages the kernel must fault in and zero: 30-40 thousand page faults (~150 MB) a step for the
-    benchmark's 4.3M-parameter GPT-2. Here every block comes from the heap, the heap grows in 256 MiB
+    fresh pages the kernel must fault in and zero: about 40 thousand page faults (~160 MB) a step for
+    the benchmark's 4.3M-parameter GPT-2. Here every block comes from the heap, the heap grows in 256 MiB
     strides and is not trimmed while under 1 GiB is free: after the first few steps the pages stay mapped
-    (peak memory is the same; it is just not handed back between steps). What tcmalloc or jemalloc,
+    (the peak is about the same; memory is just not handed back between steps). What tcmalloc or jemalloc,
     preloaded, would also do. Process-wide; returns False where malloc is not glibc's (macOS, musl) and
     nothing changed. A GPU's memory has its own caching allocator and needs none of this.
     """

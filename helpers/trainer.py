@@ -18,7 +18,8 @@ from .batches import ResumableBatches
 from .config import build_config, validate
 from .memory.measured import peak_memory
 from .model import MODEL_SIZES, auto_model_size, build_model, enable_checkpointing, generate
-from .runtime import detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, run_dir, world_size
+from .runtime import (detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, run_dir,
+                      world_size)
 
 def one_rank_cpu_zero_defaults(zero_stage: int) -> dict:
     """ZeRO settings for one rank on a CPU, where no gradient is exchanged.

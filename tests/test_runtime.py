@@ -165,7 +165,6 @@ def test_a_malformed_inherited_measurement_is_refused_naming_the_variable(value)
     assert run.returncode != 0 and f"{MEASURED_ENV}={value!r}" in run.stderr and "unset it" in run.stderr
 
 
-
 STEP_FAULTS = """
 import json, resource, sys, torch
 from helpers.model import build_model
