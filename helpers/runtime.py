@@ -224,12 +224,13 @@ def keep_freed_memory() -> bool:
     the benchmark's 4.3M-parameter GPT-2. Here every block comes from the heap, the heap grows in 256 MiB
     strides and is not trimmed while under 1 GiB is free: after the first few steps the pages stay mapped
     (the peak is about the same; memory is just not handed back between steps). What tcmalloc or jemalloc,
-    preloaded, would also do. Process-wide; returns False where malloc is not glibc's (macOS, musl) and
-    nothing changed. A GPU's memory has its own caching allocator and needs none of this.
+    preloaded, would also do. Process-wide; returns False where malloc is not glibc's (macOS, musl:
+    nothing changed) or glibc refused a setting (the others still applied). A GPU's memory has its own caching allocator and needs none of this.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc":
         return False
     import ctypes
     libc = ctypes.CDLL(None)
     settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**30), (M_TOP_PAD, 2**28))
-    return all(libc.mallopt(param, value) == 1 for param, value in settings)   # 1: accepted
+    accepted = [libc.mallopt(param, value) == 1 for param, value in settings]   # each tried, even after a refusal
+    return all(accepted)
