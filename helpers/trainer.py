@@ -34,6 +34,29 @@ def one_rank_cpu_zero_defaults(zero_stage: int) -> dict:
     return {"contiguous_gradients": False} if zero_stage in (1, 2) else {}
 
 
+def undo_optimizer_init_step(engine) -> None:
+    """Undo the step DeepSpeed 0.19's fp16/bf16 wrappers at ZeRO 0 take on zero gradients when built
+    (`initialize_optimizer_states`; deepspeedai/DeepSpeed PR 5104, open). It counts as Adam's step 1, so each
+    update takes the next step's bias correction (the first ~0.74x torch's with betas 0.9/0.95), and AdamW's
+    weight decay shrinks the fp32 masters once at the full lr. Before this, the benchmark's bf16 ZeRO 0 losses
+    strayed 0.42 from the plain loop's; ZeRO 1/2 (no such step) 0.05."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    wrapper = engine.optimizer
+    if isinstance(wrapper, FP16_UnfusedOptimizer):
+        masters = [(m, w) for ms, ws in zip(wrapper.fp32_groups, wrapper.fp16_groups) for m, w in zip(ms, ws)]
+    elif isinstance(wrapper, FP16_Optimizer):
+        masters = list(zip(wrapper.fp32_groups_flat, wrapper.fp16_groups_flat))
+    else:
+        return
+    with torch.no_grad():
+        for master, weight in masters:   # the masters were copied from these weights just before the step
+            master.copy_(weight)
+    wrapper.optimizer.state.clear()   # torch's AdamW creates its state again, at step 0, on the first real step
+    for group in wrapper.optimizer.param_groups:
+        group.pop("step", None)   # DeepSpeed's FusedAdam counts steps per group
+
+
 def trainer_config(runtime, *, micro_batch: int, grad_accum: int = 1, zero_stage: int = 0, precision: str = "fp32",
                    lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
                    offload_optimizer: bool = False, offload_param: bool = False, zero_extra: dict | None = None,
@@ -125,6 +148,7 @@ class AdvancedDeepSpeedTrainer:
         if resume_dir is not None:   # a checkpoint of another shape is refused before the engine exists
             checkpoints.check_settings(resume_dir, saved, self._settings(model))
         engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=model.parameters())
+        undo_optimizer_init_step(engine)
         if self.compile:   # torch.compile of engine.module in place: the first step then compiles (slow, once)
             engine.compile()
         return engine
