@@ -44,13 +44,13 @@ def undo_optimizer_init_step(engine) -> None:
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     wrapper = engine.optimizer
     if isinstance(wrapper, FP16_UnfusedOptimizer):
-        masters = [(m, w) for ms, ws in zip(wrapper.fp32_groups, wrapper.fp16_groups) for m, w in zip(ms, ws)]
+        pairs = [(m, w) for ms, ws in zip(wrapper.fp32_groups, wrapper.fp16_groups) for m, w in zip(ms, ws)]
     elif isinstance(wrapper, FP16_Optimizer):
-        masters = list(zip(wrapper.fp32_groups_flat, wrapper.fp16_groups_flat))
+        pairs = list(zip(wrapper.fp32_groups_flat, wrapper.fp16_groups_flat))
     else:
         return
     with torch.no_grad():
-        for master, weight in masters:   # the masters were copied from these weights just before the step
+        for master, weight in pairs:   # the masters were copied from these weights just before the step
             master.copy_(weight)
     wrapper.optimizer.state.clear()   # torch's AdamW creates its state again, at step 0, on the first real step
     for group in wrapper.optimizer.param_groups:
