@@ -3,7 +3,7 @@ import deepspeed
 import pytest
 import torch
 
-from helpers.config import ConfigError
+from helpers.config import ConfigError, build_config
 from helpers.data import SyntheticTextDataset
 from helpers.export import read_tensorboard
 from helpers.runtime import detect
@@ -101,7 +101,7 @@ def test_cpu_defaults_fused_adamw_and_no_bucket_on_one_rank():
 
 
 # build_config's AdamW without torch_adam: DeepSpeed's FusedAdam, under its FP16_Optimizer wrapper at ZeRO 0
-FUSED_ADAM = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}}
+FUSED_ADAM = build_config(lr=3e-3)["optimizer"]
 
 
 @pytest.mark.parametrize("optimizer", [None, FUSED_ADAM], ids=["torch-adamw", "deepspeed-fusedadam"])
