@@ -225,7 +225,8 @@ def keep_freed_memory() -> bool:
     strides and is not trimmed while under 1 GiB is free: after the first few steps the pages stay mapped
     (the peak is about the same; memory is just not handed back between steps). What tcmalloc or jemalloc,
     preloaded, would also do. Process-wide; returns False where malloc is not glibc's (macOS, musl:
-    nothing changed) or glibc refused a setting (the others still applied). A GPU's memory has its own caching allocator and needs none of this.
+    nothing changed) or glibc refused a setting (the others still applied). A GPU's memory has its own
+    caching allocator and needs none of this.
     """
     if platform.libc_ver()[0] != "glibc":
         return False
