@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from helpers.hardware import gpu_has_bf16
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -95,12 +97,13 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
     return {**config, **(extra or {})}
 
 
-def validate(config: dict, *, device: str, world_size: int = 1) -> dict:
+def validate(config: dict, *, device: str, world_size: int = 1, capability: tuple | None = None) -> dict:
     """Raise ConfigError naming the key path if DeepSpeed would reject, misread or later fail on `config`.
 
     Runs before any model or engine exists. DeepSpeed's own rules do most of the work: its pydantic
     models of the config blocks, the keys and defaults its config parser reads, the signatures of its
     optimizers and LR schedules, and finally its DeepSpeedConfig class itself (helpers.schema).
+    capability: a CUDA GPU's compute capability, e.g. (7, 5) for a T4, where bf16 is refused.
     """
     # Imported here: helpers.schema raises this module's ConfigError, and imports DeepSpeed.
     from helpers.schema import check_blocks, check_optimizer, check_scheduler, check_top_level, check_with_deepspeed_config
@@ -111,7 +114,7 @@ def validate(config: dict, *, device: str, world_size: int = 1) -> dict:
     check_blocks(config)
     check_batch_sizes(config, world_size)
     check_zero(config.get("zero_optimization", {}), device)
-    check_precision(config, device)
+    check_precision(config, device, capability)
     check_deepcompile(config, device)
     check_rates(config)
     check_optimizer(config)
@@ -178,7 +181,7 @@ def check_zero(zero: dict, device: str) -> None:
                           "remove it, or use communication_data_type for cheaper communication on a CPU")
 
 
-def check_precision(config: dict, device: str) -> None:
+def check_precision(config: dict, device: str, capability: tuple | None = None) -> None:
     fp16 = config.get("fp16", {}).get("enabled", False)
     bf16 = config.get("bf16", {}).get("enabled", False)
     if fp16 and bf16:
@@ -186,6 +189,11 @@ def check_precision(config: dict, device: str) -> None:
     if fp16 and device == "cpu":
         raise ConfigError("fp16.enabled is true but this device is a CPU, where DeepSpeed refuses fp16: "
                           "use precision 'bf16' or 'fp32' (fp16 needs a CUDA GPU)")
+    # DeepSpeed accepts it (torch emulates bf16 below Ampere), and every step then runs many times slower.
+    if bf16 and device == "cuda" and capability is not None and not gpu_has_bf16(capability):
+        raise ConfigError(f"bf16.enabled is true but this GPU (sm_{capability[0]}{capability[1]}) has no bf16 tensor "
+                          "cores, where torch emulates bf16 many times slower: use fp16 with dynamic loss scaling "
+                          "(precision 'fp16'), or fp32")
 
 
 def check_deepcompile(config: dict, device: str) -> None:

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from .hardware import gpu_has_bf16
+
 # CPU instruction sets with native bf16 math. Without them PyTorch emulates bf16 matmuls (much slower
 # than fp32). With them bf16 can still be slower: avx512_bf16 alone measured 0.56x fp32 on an Intel Xeon,
 # AMX 3.5x faster on another. So a flag only says bf16 is worth measuring.
@@ -40,7 +42,7 @@ def choose_precision(capability: tuple | None, flags: set[str] = frozenset(),
     consulted where the CPU has native bf16 instructions (elsewhere bf16 is emulated: never faster).
     """
     if capability is not None:
-        if capability >= (8, 0):
+        if gpu_has_bf16(capability):
             return "bf16", f"CUDA sm_{capability[0]}{capability[1]} (Ampere or newer) has bf16 tensor cores"
         return "fp16", (f"CUDA sm_{capability[0]}{capability[1]} has no bf16 tensor cores: "
                         "fp16 with dynamic loss scaling")
@@ -56,8 +58,9 @@ def choose_precision(capability: tuple | None, flags: set[str] = frozenset(),
     return "fp32", f"{measured}: below {BF16_MARGIN}x, so fp32 (a bf16 flag is not a speed)"
 
 
-def forced_precision(device: str) -> str | None:
-    """The precision named by $TUTORIAL_PRECISION, checked against what this device can run."""
+def forced_precision(device: str, capability: tuple | None = None) -> str | None:
+    """The precision named by $TUTORIAL_PRECISION, checked against what this device can run (a GPU's
+    compute `capability` decides bf16: below sm_80 torch only emulates it, many times slower)."""
     value = os.environ.get(PRECISION_ENV, "").strip().lower()
     if value in ("", "auto"):
         return None
@@ -65,6 +68,9 @@ def forced_precision(device: str) -> str | None:
     if value not in allowed:
         raise ValueError(f"{PRECISION_ENV}={value!r} is not one of {allowed} (or 'auto') on this {device}: "
                          f"unset it to let the rule choose")
+    if value == "bf16" and capability is not None and not gpu_has_bf16(capability):
+        raise ValueError(f"{PRECISION_ENV}=bf16 on a GPU of sm_{capability[0]}{capability[1]}, which has no bf16 "
+                         "tensor cores: use fp16 (with dynamic loss scaling) or fp32, or unset it")
     return value
 
 
@@ -94,19 +100,46 @@ def cpu_matmul_speeds() -> dict[str, float]:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# How far apart two computations of the same numbers may land when only their rounding differs: every
+# comparison the notebooks and tests make across stages, kernels, dtypes or devices takes its tolerance here.
+
+def eps(precision: str) -> float:
+    """The gap between 1.0 and the next number in the training dtype."""
+    if precision not in DTYPES:
+        raise ValueError(f"precision={precision!r} is not one of {tuple(DTYPES)}")
+    return torch.finfo(DTYPES[precision]).eps
+
+
 def loss_tolerance(precision: str) -> float:
-    """How far apart two runs of the same math may end in loss when they only round differently (ZeRO
-    stages, offload, reordered reductions), for a loss of a few nats.
+    """Two runs of the same math that only round differently (ZeRO stages, offload, reordered reductions),
+    compared step by step, for a loss of a few nats.
 
     fp32: 1e-5 (measured: at most 2.4e-7 between ZeRO stages 0-3 over 12 steps). 16-bit: two units in the
     last place of the training dtype at losses in [4, 8): bf16 keeps 8 significant bits, so its numbers
     there are 2**-5 = 0.031 apart (tolerance 0.0625; ZeRO stages 0-3 measured 0.022 apart over 12 steps
     in bf16); fp16's are 2**-8 apart (tolerance 0.0078)."""
-    if precision == "fp32":
-        return 1e-5
-    if precision not in DTYPES:
-        raise ValueError(f"precision={precision!r} is not one of {tuple(DTYPES)}")
-    return 2 * 4.0 * torch.finfo(DTYPES[precision]).eps
+    return 1e-5 if precision == "fp32" else 2 * 4.0 * eps(precision)
+
+
+def relative_loss_tolerance(precision: str) -> float:
+    """Compiled vs eager training (inductor fuses operations, which round differently), as the largest relative
+    loss difference over a run of ~100 steps: 1e-3 in fp32 (measured 1.9e-7 on a CPU the rule trains in fp32);
+    in either 16-bit format 2**-5 = 0.031, four units of bf16's last place at 1.0 (measured 8.3e-4 in bf16)."""
+    eps(precision)   # an unknown precision is refused
+    return 1e-3 if precision == "fp32" else 4 * eps("bf16")
+
+
+def logit_tolerance(precision: str) -> float:
+    """The same weights in the same dtype on the same device, through two model objects (an engine and the
+    model exported from its checkpoint): two units in the last place at |logit| < 16. Measured 0.0 on a CPU;
+    on another device both must run there (a CPU and a GPU kernel round 16-bit sums differently)."""
+    return 1e-5 if precision == "fp32" else 2 * 16 * eps(precision)
+
+
+def repeat_tolerance(device: str) -> float:
+    """A run repeated from the same state (a resumed run against the straight one), in loss: bitwise on a CPU,
+    where every kernel is deterministic; within 1e-3 on a GPU, whose backward kernels add in a varying order."""
+    return 0.0 if device == "cpu" else 1e-3
 
 
 def matmul_tflops(dtype: torch.dtype, device: str, n: int = 1024, seconds: float = 0.5) -> float:

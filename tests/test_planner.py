@@ -150,8 +150,21 @@ def test_gpt2_xl_on_one_t4_by_hand():
     assert est["activations_gb"] == pytest.approx(hand_activations(48, 1024, 1, 1600, 25, 2, False) / GB)
     assert est["gpu_gb"] == pytest.approx(est["model_states_gb"] + est["activations_gb"] + 1.0)
     assert not est["fits"] and est["reason"] == "does not fit: needs 37.5 GB per GPU, the T4 has 16 GB"
-    assert est["suggestion"]["fits"] and est["suggestion"]["gpu_gb"] <= 16
+    assert est["suggestion"] is None   # every offload that fits the GPU needs more host RAM than Colab's 12.7 GB
+    offloaded = planner.estimate("GPT-2 1.5B", "T4", stage=1, offload="optimizer", precision="fp16", micro_batch=1)
+    host = offloaded["host_gb_per_node"]   # fp32 master, Adam m and v, fp32 grads, and the fp16 copy: 18 bytes each
+    assert host == pytest.approx(18 * psi / GB) and offloaded["gpu_gb"] <= 16 and not offloaded["fits"]
+    assert offloaded["reason"].endswith(f"and {host:.1f} GB of host RAM per node where the T4's has 12.7")
     assert planner.estimate("GPT-2 1.5B", "A100 80GB", precision="bf16")["fits"]
+
+
+def test_a_plan_fits_only_where_the_host_holds_what_it_offloads():
+    rows = planner.plan("GPT-2 1.5B", 16, precision="fp16", host_memory_gb=12.7)
+    unchecked = planner.plan("GPT-2 1.5B", 16, precision="fp16")
+    for row, same in zip(rows, unchecked):
+        assert row["fits"] == (same["fits"] and row["cpu_gb"] <= 12.7)
+    assert planner.best_plan("GPT-2 1.5B", 16, precision="fp16", host_memory_gb=12.7) is None
+    assert planner.best_plan("GPT-2 1.5B", 16, precision="fp16", host_memory_gb=64)["offload"] != "none"
 
 
 def test_two_nodes_zero3_param_offload_by_hand():
@@ -191,8 +204,9 @@ def test_zero2_fp32_four_gpus_by_hand():
 
 def test_fits_flips_at_the_memory_boundary(monkeypatch):
     need = planner.estimate("GPT-2 774M", "A100 40GB", stage=1, precision="bf16", micro_batch=2)["gpu_gb"]
-    monkeypatch.setitem(planner.GPUS, "exact", {"memory_gb": need, "bf16": True, "arch": "Ampere"})
-    monkeypatch.setitem(planner.GPUS, "a byte short", {"memory_gb": need - 1e-9, "bf16": True, "arch": "Ampere"})
+    a100 = planner.GPUS["A100 40GB"]
+    monkeypatch.setitem(planner.GPUS, "exact", {**a100, "memory_gb": need})
+    monkeypatch.setitem(planner.GPUS, "a byte short", {**a100, "memory_gb": need - 1e-9})
     at = planner.estimate("GPT-2 774M", "exact", stage=1, precision="bf16", micro_batch=2)
     below = planner.estimate("GPT-2 774M", "a byte short", stage=1, precision="bf16", micro_batch=2)
     assert at["fits"] and at["free_gb"] == 0

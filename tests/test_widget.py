@@ -12,7 +12,10 @@ def test_render_without_a_browser():
     shown = widget.render(widget.DEFAULTS)
     assert shown["error"] is None and shown["figure"] is not None
     assert json.loads(shown["json"]) == planner.config_for(**widget.DEFAULTS)
-    assert shown["verdict"].startswith("✗ does not fit: needs 37.5 GB") and "Fits instead: ZeRO" in shown["verdict"]
+    assert shown["verdict"].startswith("✗ does not fit: needs 37.5 GB")
+    assert "Nothing fits on 1 x T4 (16 GB each, 12.7 GB of host RAM)" in shown["verdict"]   # offloads outgrow the host
+    wider = widget.render({**widget.DEFAULTS, "gpu": "A100 40GB", "micro_batch": 4})   # 40 GB and 83.5 GB of host RAM
+    assert "Fits instead: ZeRO" in wider["verdict"]
     broken = widget.render({**widget.DEFAULTS, "stage": 0, "offload": "optimizer"})
     assert broken["figure"] is None and broken["config"] is None and "offload='optimizer'" in broken["error"]
 

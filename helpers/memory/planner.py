@@ -9,6 +9,7 @@ fragmentation beyond OVERHEAD_GB. Everything is plain functions, so the widget s
 from __future__ import annotations
 
 from ..config import PRECISIONS, ZERO_STAGES, build_config, require_positive_int, validate
+from ..hardware import GPUS, gpu_has_bf16
 from .formulas import ELEMENT_BYTES, GB, activation_bytes, bytes_per_param, models, zero_model_states
 
 # Fixed bytes a GPU loses before the first tensor, in GB: the CUDA context (~0.3-0.5 GB with lazy
@@ -19,19 +20,6 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # and offload_param only at stage 3.
 OFFLOADS = {"none": (0, 1, 2, 3), "optimizer": (1, 2, 3), "optimizer+params": (3,)}
 FP32_GRAD_COPY = 4    # bytes/param: the ZeRO optimizers' transient fp32 copy of their gradient partition
-# Capacities as sold. Every figure here is in 10^9 bytes (formulas.GB) while a card's "GB" are GiB (7%
-# more), which, with the memory the driver reserves, leaves a cautious margin.
-# bf16 tensor cores arrived with Ampere (sm_80); Turing and Volta cards train in fp16.
-GPUS = {
-    "T4": {"memory_gb": 16, "bf16": False, "arch": "Turing"},
-    "V100 32GB": {"memory_gb": 32, "bf16": False, "arch": "Volta"},
-    "A10G": {"memory_gb": 24, "bf16": True, "arch": "Ampere"},
-    "L4": {"memory_gb": 24, "bf16": True, "arch": "Ada"},
-    "A100 40GB": {"memory_gb": 40, "bf16": True, "arch": "Ampere"},
-    "A100 80GB": {"memory_gb": 80, "bf16": True, "arch": "Ampere"},
-    "H100 80GB": {"memory_gb": 80, "bf16": True, "arch": "Hopper"},
-    "H200": {"memory_gb": 141, "bf16": True, "arch": "Hopper"},
-}
 
 
 def model_state_bytes(n_params: float, n_gpus: int, stage: int, offload: str = "none",
@@ -78,11 +66,13 @@ def _preference(row: dict) -> tuple:
 
 def plan(model: str | dict, gpu_memory_gb: float, n_gpus: int = 1, seq_len: int | None = None,
          precision: str = "bf16", micro_batches=MICRO_BATCHES, overhead_gb: float = OVERHEAD_GB,
-         dropout: bool = False, counting: str = "deepspeed") -> list[dict]:
+         dropout: bool = False, counting: str = "deepspeed", host_memory_gb: float | None = None) -> list[dict]:
     """Every (stage, offload, checkpointing, micro_batch) with its GPU and CPU bytes, in GB, sorted by
     `_preference`, for a model of formulas.models() (its name or its dict; seq_len defaults to its
     context). gpu_gb = model states + activations (+ the recomputed layer) + overhead_gb;
-    fits = gpu_gb <= gpu_memory_gb. Activations are per GPU: data parallelism does not split them."""
+    fits = gpu_gb <= gpu_memory_gb, and the offloaded states (cpu_gb, all n_gpus ranks' shares) fit in
+    host_memory_gb where it is given (a free Colab T4 has 12.7 GB of host RAM: less than many offloads need).
+    Activations are per GPU: data parallelism does not split them."""
     shape = models()[model] if isinstance(model, str) else model
     seq_len, rows = seq_len or shape["context"], []
     for offload, stages in OFFLOADS.items():
@@ -97,7 +87,9 @@ def plan(model: str | dict, gpu_memory_gb: float, n_gpus: int = 1, seq_len: int 
                     rows.append({"stage": stage, "offload": offload, "checkpointing": ckpt, "micro_batch": mb,
                                  "model_states_gb": states["gpu"] / GB, "activations_gb": act / GB,
                                  "overhead_gb": overhead_gb, "gpu_gb": gpu, "cpu_gb": states["cpu"] / GB,
-                                 "fits": gpu <= gpu_memory_gb})
+                                 "host_fits": host_memory_gb is None or states["cpu"] / GB <= host_memory_gb,
+                                 "fits": gpu <= gpu_memory_gb and (host_memory_gb is None or
+                                                                   states["cpu"] / GB <= host_memory_gb)})
     return sorted(rows, key=_preference)
 
 
@@ -121,7 +113,7 @@ def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, 
         raise ValueError(f"model={model!r} is not one of {list(models())}")
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not one of {list(GPUS)}: pick one, or add it to "
-                         "helpers.memory.planner.GPUS with its memory and bf16 support")
+                         "helpers.hardware.GPUS with its memory and compute capability")
     for name, value in (("n_gpus_per_node", n_gpus_per_node), ("n_nodes", n_nodes),
                         ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
         require_positive_int(name, value)
@@ -138,7 +130,7 @@ def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, 
                          "partitions the parameters that offload_param moves; use stage=3 or offload='optimizer'")
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
-    if precision == "bf16" and not GPUS[gpu]["bf16"]:
+    if precision == "bf16" and not gpu_has_bf16(GPUS[gpu]["capability"]):
         raise ValueError(f"precision='bf16' on the {gpu}: {GPUS[gpu]['arch']} GPUs have no bf16 tensor cores "
                          "(they arrived with Ampere); use precision='fp16' (the same memory) or a newer GPU")
     if not isinstance(checkpointing, bool):
@@ -168,16 +160,18 @@ def estimate(model: str = "GPT-2 1.5B", gpu: str = "T4", n_gpus_per_node: int = 
     """
     seq_len = check(model, gpu, n_gpus_per_node, n_nodes, stage, offload, precision, micro_batch, grad_accum,
                     checkpointing, seq_len)
-    memory_gb, world = GPUS[gpu]["memory_gb"], n_gpus_per_node * n_nodes
-    on = dict(model=model, gpu_memory_gb=memory_gb, n_gpus=world, seq_len=seq_len, precision=precision)
+    memory_gb, world, host_gb = GPUS[gpu]["memory_gb"], n_gpus_per_node * n_nodes, GPUS[gpu]["host_gb"]
+    on = dict(model=model, gpu_memory_gb=memory_gb, n_gpus=world, seq_len=seq_len, precision=precision,
+              host_memory_gb=None if host_gb is None else host_gb * n_nodes)
     row = row_for(plan(**on, micro_batches=(micro_batch,)), stage, offload, checkpointing, micro_batch)
     host_per_node = row.pop("cpu_gb") / n_nodes   # plan's host figure is all ranks' shares together
     verdict = "fits" if row["fits"] else "does not fit"
+    host = "" if row["host_fits"] else f", and {host_per_node:.1f} GB of host RAM per node where the {gpu}'s has {host_gb:g}"
     global_batch = micro_batch * grad_accum * world
     return {**row, "model": model, "gpu": gpu, "n_params": models()[model]["params"], "seq_len": seq_len,
             "precision": precision, "gpu_memory_gb": memory_gb, "free_gb": memory_gb - row["gpu_gb"],
             "host_gb_per_node": host_per_node, "world_size": world,
-            "reason": f"{verdict}: needs {row['gpu_gb']:.1f} GB per GPU, the {gpu} has {memory_gb:g} GB",
+            "reason": f"{verdict}: needs {row['gpu_gb']:.1f} GB per GPU, the {gpu} has {memory_gb:g} GB{host}",
             "grad_accum": grad_accum, "global_batch": global_batch, "tokens_per_step": global_batch * seq_len,
             "notes": notes(gpu, world, stage, offload, precision, checkpointing, host_per_node),
             "suggestion": None if row["fits"] else best_plan(**on)}
@@ -195,7 +189,7 @@ def notes(gpu: str, world_size: int, stage: int, offload: str, precision: str, c
                    f"{'and weights ' if offload == 'optimizer+params' else ''}over PCIe every step: slower steps.")
     if checkpointing:
         out.append("Checkpointing recomputes each layer's forward pass during backward: one more forward per step.")
-    if precision == "fp32" and GPUS[gpu]["bf16"]:
+    if precision == "fp32" and gpu_has_bf16(GPUS[gpu]["capability"]):
         out.append(f"The {gpu} has bf16: it halves parameter and activation bytes and runs on tensor cores.")
     return out
 

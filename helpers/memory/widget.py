@@ -43,8 +43,9 @@ def verdict(est: dict) -> str:
         lines.append(f"Fits instead: ZeRO {tip['stage']}, offload {tip['offload']}, "
                      f"{'checkpointing' if tip['checkpointing'] else 'no checkpointing'}, micro-batch "
                      f"{tip['micro_batch']} ({tip['gpu_gb']:.1f} GB)" if tip else
-                     f"Nothing fits on {est['world_size']} x {est['gpu']} at sequence length {est['seq_len']}: "
-                     "add GPUs, shorten the sequence or pick a smaller model.")
+                     f"Nothing fits on {est['world_size']} x {est['gpu']} ({est['gpu_memory_gb']:g} GB each"
+                     + (f", {host:g} GB of host RAM" if (host := planner.GPUS[est['gpu']]['host_gb']) else "")
+                     + f") at sequence length {est['seq_len']}: add GPUs, shorten the sequence or pick a smaller model.")
     gpus = f"{est['world_size']} GPU{'s' if est['world_size'] > 1 else ''}"
     lines.append(f"Global batch {est['global_batch']} = micro-batch {est['micro_batch']} x accumulation "
                  f"{est['grad_accum']} x {gpus} ({est['tokens_per_step']:,} tokens per step)")

@@ -1,0 +1,50 @@
+"""The GPUs the tutorial plans for: memory, compute capability, the host RAM beside them, peak throughput.
+
+One table for the what-fits planner (notebook 05), the device matrix (tests/test_device_matrix.py, the README's
+"What each path needs") and the Colab time estimate. `runtime_for` gives the `Runtime` that
+helpers.runtime.detect() returns on such a GPU, so every config and size a notebook derives from `rt` can be
+built for it on a CPU. Pure data: no torch import.
+"""
+from __future__ import annotations
+
+# Memory as sold, in 10^9 bytes (formulas.GB; a card's "GB" are GiB, 7% more, which with what the driver
+# reserves leaves a cautious margin). host_gb: RAM of the usual machine around the GPU where there is one
+# (Colab's free T4 and its A100; the H200 machine this project is lent), None where it varies.
+# peak_tflops: dense 16-bit tensor-core throughput from NVIDIA's data sheets (fp16 on Turing and Volta, bf16
+# from Ampere), None where not given here.
+GPUS = {
+    "T4": {"memory_gb": 16, "capability": (7, 5), "arch": "Turing", "host_gb": 12.7, "peak_tflops": 65},
+    "V100 32GB": {"memory_gb": 32, "capability": (7, 0), "arch": "Volta", "host_gb": None, "peak_tflops": 125},
+    "A10G": {"memory_gb": 24, "capability": (8, 6), "arch": "Ampere", "host_gb": None, "peak_tflops": None},
+    "L4": {"memory_gb": 24, "capability": (8, 9), "arch": "Ada", "host_gb": None, "peak_tflops": 121},
+    "A100 40GB": {"memory_gb": 40, "capability": (8, 0), "arch": "Ampere", "host_gb": 83.5, "peak_tflops": 312},
+    "A100 80GB": {"memory_gb": 80, "capability": (8, 0), "arch": "Ampere", "host_gb": None, "peak_tflops": 312},
+    "H100 80GB": {"memory_gb": 80, "capability": (9, 0), "arch": "Hopper", "host_gb": None, "peak_tflops": 989},
+    "H200": {"memory_gb": 141, "capability": (9, 0), "arch": "Hopper", "host_gb": 137, "peak_tflops": 989},
+}
+# bf16 tensor cores arrived with Ampere (sm_80). Below it torch emulates bf16 on a GPU, many times slower.
+GPU_BF16_CAPABILITY = (8, 0)
+
+
+def gpu_has_bf16(capability: tuple) -> bool:
+    """Whether a CUDA GPU of this compute capability has bf16 tensor cores (the one home of that rule)."""
+    return tuple(capability) >= GPU_BF16_CAPABILITY
+
+
+# The GPUs the device matrix builds every notebook's, program's and GPU script's configs for.
+MATRIX_GPUS = ("T4", "A100 40GB", "H200")
+
+
+def gpu_precision(gpu: str) -> str:
+    """The precision the rule picks on this GPU (helpers.precision.choose_precision)."""
+    from .precision import choose_precision   # torch: only when asked
+    return choose_precision(GPUS[gpu]["capability"])[0]
+
+
+def runtime_for(gpu: str):
+    """What helpers.runtime.detect() returns on one of GPUS (memory in GiB, as torch reports it)."""
+    from .precision import choose_precision
+    from .runtime import Runtime
+    spec = GPUS[gpu]
+    precision, reason = choose_precision(spec["capability"])
+    return Runtime("cuda", f"NVIDIA {gpu}", spec["capability"], spec["memory_gb"] * 1e9 / 2**30, precision, reason)
