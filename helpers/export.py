@@ -91,19 +91,21 @@ def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 def max_logit_difference(hf_dir: str | Path, engine, input_ids: torch.Tensor) -> float:
     """max |logits| difference between the exported model and the live engine on `input_ids`.
 
-    The HF model is loaded in the engine's dtype, so a bf16 engine is compared with bf16 weights
-    (rounding the fp32 masters to bf16 gives exactly the engine's weights). 0.0 means identical.
+    The HF model is loaded in the engine's dtype on the engine's device, so both run the same kernels on
+    the same weights (rounding the fp32 masters to bf16 gives exactly the engine's weights): a CPU and a GPU
+    kernel would round 16-bit sums differently (helpers.precision.logit_tolerance). 0.0 means identical.
     Under ZeRO-3 with several ranks every rank must call this (the engine's forward is collective).
     """
     from transformers import AutoModelForCausalLM
     dtype = next(engine.module.parameters()).dtype
     with _quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(engine.device).eval()
+    ids = input_ids.to(engine.device)
     was_training = engine.training
     engine.eval()
-    ours = engine(input_ids=input_ids.to(engine.device)).logits.float().cpu()
+    ours = engine(input_ids=ids).logits.float()
     engine.train(was_training)
-    theirs = model(input_ids=input_ids).logits.float()
+    theirs = model(input_ids=ids).logits.float()
     return (ours - theirs).abs().max().item()
 
 

@@ -27,7 +27,7 @@ import psutil
 
 from helpers import REPO_ROOT, with_repo_on_path
 from helpers.config import require_positive_int
-from helpers.precision import CPU_BF16_FLAGS, cpu_flags, cpu_matmul_speeds
+from helpers.precision import CPU_BF16_FLAGS, PRECISION_ENV, cpu_flags, cpu_matmul_speeds
 from helpers.runtime import free_port, process_rank
 
 PROGRAMS = REPO_ROOT / "helpers" / "programs"
@@ -224,6 +224,8 @@ def child_env(n_ranks: int) -> dict[str, str]:
         # One GPU cannot host two NCCL ranks (e.g. Colab's single T4): run every rank on the CPU
         # with gloo instead, where ZeRO, pipeline and MoE partitioning still really happen.
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+        if env.get(PRECISION_ENV, "").strip().lower() == "fp16":   # a GPU's choice: the CPU ranks take their own rule's
+            del env[PRECISION_ENV]
     return env
 
 

@@ -37,15 +37,16 @@ def detect() -> Runtime:
 
     Without a GPU it also sets DS_ACCELERATOR=cpu (unless set): the accelerator DeepSpeed would pick
     anyway, said up front, so its timestamped "unable to detect" warning stays out of the notebooks."""
-    forced = forced_precision("cuda" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         cap = (props.major, props.minor)
+        forced = forced_precision("cuda", cap)
         precision, reason = choose_precision(cap)
         if forced:
             precision, reason = forced, f"forced by {PRECISION_ENV}={forced} (the rule says {precision}: {reason})"
         return Runtime("cuda", props.name, cap, props.total_memory / 2**30, precision, reason)
     import psutil
+    forced = forced_precision("cpu")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     flags = cpu_flags()
     speeds = cpu_matmul_speeds() if set(CPU_BF16_FLAGS) & flags else None
@@ -88,6 +89,18 @@ def init_single_process() -> dict[str, str]:
                            ("WORLD_SIZE", dist.get_world_size())):
             os.environ.setdefault(key, str(value))
     return {k: os.environ.get(k, "") for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def collective_device(group=None) -> torch.device:
+    """A device whose tensors the process group can reduce: the accelerator's (a GPU under NCCL, the CPU under
+    gloo) where the group has a backend for it, else the first device type it has one for. NCCL has no CPU
+    backend: a CPU tensor in a collective fails there ("No backend type associated with device type cpu")."""
+    from deepspeed.accelerator import get_accelerator
+    served = [entry.split(":")[0] for entry in torch.distributed.get_backend_config(group).split(",")]
+    accelerator = get_accelerator()
+    if accelerator.device_name() in served:
+        return torch.device(accelerator.current_device_name())
+    return torch.device(served[0])
 
 
 def process_rank() -> int:

@@ -16,7 +16,8 @@ from .checkpoints import (CheckpointCorruptError, CheckpointMismatchError, Check
                           find_checkpoint)   # (public here too)
 from .batches import ResumableBatches
 from .config import build_config, validate
-from .memory.measured import peak_memory
+from .masters import master_weight_pairs
+from .memory.measured import memory_mark, peak_memory
 from .model import MODEL_SIZES, auto_model_size, build_model, enable_checkpointing, generate
 from .runtime import (detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, run_dir,
                       world_size)
@@ -40,14 +41,9 @@ def undo_optimizer_init_step(engine) -> None:
     update takes the next step's bias correction (the first ~0.74x torch's with betas 0.9/0.95), and AdamW's
     weight decay shrinks the fp32 masters once at the full lr. Before this, the benchmark's bf16 ZeRO 0 losses
     strayed 0.42 from the plain loop's; ZeRO 1/2 (no such step) 0.05."""
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     wrapper = engine.optimizer
-    if isinstance(wrapper, FP16_UnfusedOptimizer):
-        pairs = [(m, w) for ms, ws in zip(wrapper.fp32_groups, wrapper.fp16_groups) for m, w in zip(ms, ws)]
-    elif isinstance(wrapper, FP16_Optimizer):
-        pairs = list(zip(wrapper.fp32_groups_flat, wrapper.fp16_groups_flat))
-    else:
+    pairs = master_weight_pairs(wrapper)   # empty in fp32 and at ZeRO 1-3, which take no such step
+    if not pairs:
         return
     with torch.no_grad():
         for master, weight in pairs:   # the masters were copied from these weights just before the step
@@ -83,7 +79,7 @@ def trainer_config(runtime, *, micro_batch: int, grad_accum: int = 1, zero_stage
     params = config["optimizer"].get("params", {})
     if params.get("torch_adam") and not {"fused", "foreach"} & set(params):   # a config_extra choice wins
         config["optimizer"] = {**config["optimizer"], "params": {**params, "fused": True}}
-    return validate(config, device=runtime.device, world_size=world_size())
+    return validate(config, device=runtime.device, world_size=world_size(), capability=runtime.capability)
 
 
 class AdvancedDeepSpeedTrainer:
@@ -188,10 +184,13 @@ class AdvancedDeepSpeedTrainer:
         seconds = time.perf_counter() - start
         norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         tokens = ids.numel() * self.grad_accum * self.engine.world_size
-        return {"step": self.step, "loss": loss, "lr": lr, "skipped_steps": self.engine.skipped_steps,
-                "grad_norm": float(norm) if norm is not None else float("nan"),
-                "tokens_per_s": tokens / seconds, "step_s": seconds,
-                "memory_mib": peak_memory(self.runtime.device) / 2**20}
+        metrics = {"step": self.step, "loss": loss, "lr": lr, "skipped_steps": self.engine.skipped_steps,
+                   "grad_norm": float(norm) if norm is not None else float("nan"),
+                   "tokens_per_s": tokens / seconds, "step_s": seconds,
+                   "memory_mib": peak_memory(self.runtime.device) / 2**20}
+        if self.precision == "fp16":   # dynamic loss scaling: the scale the next step starts from
+            metrics["loss_scale"] = float(self.engine.optimizer.loss_scale)
+        return metrics
 
     def _skip_one_rank_allreduce(self):
         """At ZeRO 0 DeepSpeed all-reduces the gradients after every backward, even on one rank, where
@@ -208,12 +207,14 @@ class AdvancedDeepSpeedTrainer:
         return self.config["zero_optimization"]["stage"] == 0 and self.precision == "fp32"
 
     def train(self, steps: int, progress: bool = True) -> list[dict]:
-        """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard.
+        """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard. A step's `memory_mib` is
+        the peak since this call began (earlier engines in the same process are not counted).
 
         Progress: tqdm's bar in a terminal; elsewhere (a notebook, a log file) one line at each quarter of
         the run, because a saved notebook keeps every redraw of a bar, beginning with its 0% frame."""
         from tqdm import tqdm
         self.engine.train()
+        memory_mark(self.runtime.device)   # each step's memory_mib: the peak since this call began, not since import
         new = []
         label = f"{self.name} (ZeRO {self.config['zero_optimization']['stage']})"
         in_terminal = sys.stdout.isatty()

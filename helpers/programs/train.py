@@ -211,7 +211,8 @@ def train(a: argparse.Namespace) -> dict:
     """Build the trainer from the file, train to --steps with checkpoints, and report the run."""
     from helpers.runtime import detect, process_rank, run_dir, world_size
     from helpers.trainer import AdvancedDeepSpeedTrainer
-    config = validate(load_json(a.config), device=detect().device, world_size=world_size())
+    runtime = detect()
+    config = validate(load_json(a.config), device=runtime.device, world_size=world_size(), capability=runtime.capability)
     arguments = trainer_arguments(config, world_size())   # refuse a bad file before building anything
     steps = run_length(config, a.steps)
     output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))

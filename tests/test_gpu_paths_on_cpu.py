@@ -1,0 +1,126 @@
+"""Failure classes of a GPU run, reproduced on a CPU: no GPU has run these tests, so each one rebuilds on the
+CPU the condition a GPU creates (a process group without a CPU backend, DeepSpeed's FusedAdam wrapper) and
+checks the helper the notebooks use there."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO_ROOT
+from helpers.config import build_config
+from helpers.masters import fp32_master
+from helpers.model import build_model
+from helpers.runtime import init_single_process
+from helpers.trainer import undo_optimizer_init_step
+
+# A process group whose only backend serves CUDA tensors, as NCCL's does; "cuda:gloo" builds one on a CPU.
+GROUP_CHECK = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str({port}), DS_ACCELERATOR="cpu")
+dist.init_process_group("{backend}", rank=0, world_size=1)
+from helpers.runtime import collective_device
+device = collective_device()
+try:
+    dist.all_reduce(torch.ones(1))
+    cpu_tensor = "reduced"
+except RuntimeError as err:
+    cpu_tensor = str(err)
+print(device.type, "|", cpu_tensor)
+"""
+
+
+@pytest.mark.parametrize("backend, expected_device, cpu_tensor", [
+    ("cuda:gloo", "cuda", "No backend type associated with device type cpu"),   # NCCL's situation on a GPU
+    ("gloo", "cpu", "reduced"),                                                  # the CPU tutorial's group
+])
+def test_collectives_go_to_a_device_the_group_serves(backend, expected_device, cpu_tensor):
+    from helpers.runtime import free_port
+    code = GROUP_CHECK.format(port=free_port(), backend=backend)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    device, outcome = run.stdout.strip().splitlines()[-1].split(" | ")
+    assert cpu_tensor in outcome   # torch's own behaviour: what notebook 01's old check ran into on a GPU
+    assert device == expected_device
+
+
+def one_step_engine(zero_stage: int, precision: str, torch_adam: bool, lr: float = 1e-3):
+    """A tiny GPT-2 engine after one optimizer step on one batch, with its weights before the step."""
+    import deepspeed
+    init_single_process()
+    model = build_model(vocab_size=128, n_positions=16, size="tiny", seed=0)
+    config = build_config(micro_batch=2, zero_stage=zero_stage, precision=precision, lr=lr, torch_adam=torch_adam)
+    del config["scheduler"]   # a constant lr: the step's size is then lr itself
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    undo_optimizer_init_step(engine)   # Adam at step 0 on every path (a no-op outside ZeRO 0's 16-bit wrappers)
+    before = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    return engine, before
+
+
+# (ZeRO stage, precision, torch_adam): the wrapper DeepSpeed puts around the optimizer there.
+WRAPPERS = {
+    "FP16_Optimizer (FusedAdam: a GPU's ZeRO 0 in fp16/bf16)": (0, "bf16", False),
+    "FP16_UnfusedOptimizer (torch AdamW at ZeRO 0 in bf16)": (0, "bf16", True),
+    "ZeRO 1 in bf16": (1, "bf16", True),
+    "ZeRO 2 in bf16 with FusedAdam": (2, "bf16", False),
+    "fp32: no master": (0, "fp32", True),
+}
+
+
+@pytest.mark.parametrize("case", WRAPPERS)
+def test_fp32_master_is_the_tensor_adam_stepped(case):
+    """Adam's first step moves every weight by lr (m/sqrt(v) = g/|g|, Kingma & Ba with bias correction) minus
+    AdamW's decay lr*wd*w: the master found must show exactly that move, and the 16-bit weight must be it rounded."""
+    stage, precision, torch_adam = WRAPPERS[case]
+    lr, wd = 1e-3, build_config()["optimizer"]["params"]["weight_decay"]
+    engine, before = one_step_engine(stage, precision, torch_adam, lr)
+    moved = []
+    for name, param in engine.module.named_parameters():
+        master = fp32_master(engine.optimizer, param)
+        assert master.dtype == torch.float32 and master.shape == param.shape, name
+        assert torch.equal(master.detach().to(param.dtype), param.detach()), name   # the weight is the master rounded
+        moved.append((master.detach() - before[name] * (1 - lr * wd)).abs().flatten())
+    moved = torch.cat(moved)
+    assert moved.max() <= lr * (1 + 1e-3), case   # Adam's step is at most lr, where the gradient is not tiny
+    assert math.isclose(moved.median().item(), lr, rel_tol=1e-3), (case, moved.median())
+
+
+def test_a_16_bit_weight_without_a_master_is_refused():
+    engine, _ = one_step_engine(0, "bf16", True)
+    stranger = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(LookupError, match="no fp32 master"):
+        fp32_master(engine.optimizer, stranger)
+
+
+def test_a_gpus_fp16_override_does_not_reach_the_cpu_ranks_beside_it(monkeypatch):
+    """On one GPU, multi-rank programs run their ranks on the CPU (launch.child_env). TUTORIAL_PRECISION=fp16,
+    the GPU's override, would make every such rank refuse to start: a CPU cannot train in fp16."""
+    from helpers import launch
+    from helpers.precision import PRECISION_ENV, forced_precision
+    monkeypatch.setenv(PRECISION_ENV, "fp16")
+    with pytest.raises(ValueError, match="fp16"):
+        forced_precision("cpu")   # what each rank's detect() would do with the variable inherited
+    monkeypatch.setattr(launch, "gpu_count", lambda: 1)   # one GPU, two ranks: the ranks go to the CPU
+    env = launch.child_env(2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["DS_ACCELERATOR"] == "cpu"
+    assert PRECISION_ENV not in env
+    monkeypatch.setenv(PRECISION_ENV, "fp32")   # a precision the CPU ranks can run is passed on
+    assert launch.child_env(2)[PRECISION_ENV] == "fp32"
+
+
+def test_bf16_is_refused_below_ampere_even_when_forced(monkeypatch):
+    from helpers.config import ConfigError, validate
+    from helpers.precision import PRECISION_ENV, forced_precision
+    t4, a100 = (7, 5), (8, 0)
+    bf16 = build_config(precision="bf16")
+    with pytest.raises(ConfigError, match="sm_75"):
+        validate(bf16, device="cuda", capability=t4)
+    assert validate(bf16, device="cuda", capability=a100) is bf16
+    monkeypatch.setenv(PRECISION_ENV, "bf16")
+    with pytest.raises(ValueError, match="sm_75"):
+        forced_precision("cuda", t4)
+    assert forced_precision("cuda", a100) == "bf16"
