@@ -4,6 +4,7 @@
 # below is constrained to the versions already present.
 set -euo pipefail
 PY=${PYTHON:-python3}
+cd "$(dirname "$0")"   # the repository root: helpers.preflight runs from here at the end
 
 has() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
 
@@ -21,13 +22,13 @@ PY
 
 missing=()
 has deepspeed || missing+=("deepspeed==0.19.8")
-has transformers || missing+=("transformers")
-has datasets || missing+=("datasets")
+has transformers || missing+=("transformers>=4.56")
+has datasets || missing+=("datasets>=3.0")
 has tensorboard || missing+=("tensorboard")
 has tokenizers || missing+=("tokenizers")
 has ipywidgets || missing+=("ipywidgets>=7.7,<9")
 has tqdm || missing+=("tqdm")
-has accelerate || missing+=("accelerate")   # HF Trainer(deepspeed=...)
+has accelerate || missing+=("accelerate>=1.1")   # HF Trainer(deepspeed=...)
 
 if ((${#missing[@]})); then
     echo "colab_setup: installing ${missing[*]}"
@@ -36,3 +37,9 @@ else
     echo "colab_setup: nothing to install"
 fi
 "$PY" -c "import torch, deepspeed; print(f'colab_setup: torch {torch.__version__} (kept), deepspeed {deepspeed.__version__}')"
+# Versions of what Colab keeps, nvcc against torch's CUDA, and on a GPU one real FusedAdam build and step
+# (DeepSpeed's JIT build does not check nvcc's version itself: a mismatch would fail later, unclearly).
+if ! "$PY" -m helpers.preflight; then
+    echo "colab_setup: a check above failed (NO): its line says what to install or change" >&2
+    exit 1
+fi
