@@ -1,8 +1,9 @@
 # Two commands for a fresh machine:
 #   make tutorial   set up .venv, execute every notebook headless (results in runs/)
-#   make test       set up .venv, run the unit tests and every notebook under nbval
-#   make test-other-precision   the precision-dependent tests and notebook 01 again, with the precision
-#                   the rule did not pick forced through TUTORIAL_PRECISION (fp32 <-> bf16)
+#   make test       set up .venv, run the unit tests and every notebook under nbval, twice in one kernel:
+#                   in the precision the rule picks, then in the other one (tests/conftest.py)
+#   make test-other-precision   the precision-dependent unit tests again, with the precision the rule did
+#                   not pick forced through TUTORIAL_PRECISION (fp32 <-> bf16)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -25,8 +26,7 @@ test: setup
 test-other-precision: setup
 	other=$$($(BIN)/python -c "from helpers.runtime import detect; print('bf16' if detect().precision == 'fp32' else 'fp32')") && \
 	echo "forcing TUTORIAL_PRECISION=$$other" && \
-	TUTORIAL_PRECISION=$$other $(BIN)/python -m pytest -m precision tests && \
-	TUTORIAL_PRECISION=$$other $(BIN)/python -m pytest notebooks/01_setup.ipynb
+	TUTORIAL_PRECISION=$$other $(BIN)/python -m pytest -m precision tests
 
 clean:
 	rm -rf runs

@@ -1,8 +1,99 @@
-import os
+"""Shared test set-up, and how the notebooks are tested.
 
+nbval runs each notebook's code cells as test items and compares every output not tagged
+`nbval-ignore-output` with the stored one. Here every notebook runs twice in the same kernel
+(`--notebook-passes 2`, the default): first in the precision the rule picks, then, after a cell that sets
+TUTORIAL_PRECISION to the other one (fp32 <-> bf16), again. The second pass is what a reader does who
+changes the precision and presses Run All again, against the state the first pass left behind (a live
+process group, checkpoints on disk, open engines); its compared outputs must be the stored ones too, so a
+sentence or figure that holds in one precision only fails here, on any machine. Around the two passes the
+notebook must create or delete no file in the repository (everything goes to $TUTORIAL_RUN_DIR, a
+temporary folder unless you set one). `--notebook-passes 1` runs each notebook once, as plain nbval does.
+"""
+import os
+import tempfile
+from collections import defaultdict
+
+import nbformat
 import pytest
 
+from tests.repository import repo_files
+
 DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--notebook-passes", type=int, choices=(1, 2), default=2,
+                     help="run each notebook once, or twice in one kernel (default): the second time in the precision "
+                          "the rule did not pick; outputs are compared with the stored ones every time")
+
+
+def pytest_configure(config):
+    # Kernels and rank programs inherit it: no notebook run writes inside the checkout.
+    os.environ.setdefault("TUTORIAL_RUN_DIR", tempfile.mkdtemp(prefix="tutorial-runs-"))
+
+
+def pytest_collection_modifyitems(config, items):
+    from nbval.plugin import IPyNbCell
+    passes = config.getoption("--notebook-passes")
+    arranged, notebook = [], []
+    for item in items + [None]:   # None: flush the last notebook
+        if isinstance(item, IPyNbCell) and (not notebook or notebook[0].parent is item.parent):
+            notebook.append(item)
+            continue
+        if notebook:
+            arranged += notebook_items(notebook, passes)
+            notebook = []
+        if isinstance(item, IPyNbCell):
+            notebook.append(item)
+        elif item is not None:
+            arranged.append(item)
+    items[:] = arranged
+
+
+def other_precision() -> str:
+    """The CPU precision the rule (or $TUTORIAL_PRECISION) did not pick: fp32 <-> bf16."""
+    from helpers.runtime import detect
+    return "bf16" if detect().precision == "fp32" else "fp32"
+
+
+def notebook_items(cells: list, passes: int) -> list:
+    """A notebook's cell items, run `passes` times in its kernel (the second time in the other precision),
+    between a snapshot of the repository's files and the check that the runs left them as they were."""
+    from nbval.plugin import IPyNbCell
+    parent = cells[0].parent
+    again = []
+    if passes == 2:
+        other = other_precision()
+        switch = nbformat.v4.new_code_cell(f"import os\nos.environ['TUTORIAL_PRECISION'] = '{other}'\n")
+        again = [IPyNbCell.from_parent(parent, name=f"TUTORIAL_PRECISION={other}", cell_num=-1, cell=switch,
+                                       options=defaultdict(bool, check=False))]
+        again += [IPyNbCell.from_parent(parent, name=f"{c.name} ({other})", cell_num=c.cell_num, cell=c.cell,
+                                        options=c.options) for c in cells]
+    return [RepositorySnapshot.from_parent(parent, name="repository files before"), *cells, *again,
+            RepositoryUnchanged.from_parent(parent, name="repository files after")]
+
+
+SNAPSHOT = pytest.StashKey[set]()
+
+
+class RepositorySnapshot(pytest.Item):
+    def runtest(self):
+        self.parent.stash[SNAPSHOT] = repo_files()
+
+    def reportinfo(self):
+        return self.path, None, f"{self.parent.name}: {self.name}"
+
+
+class RepositoryUnchanged(pytest.Item):
+    """New or deleted files only: edits you make while the tests run are yours."""
+
+    def runtest(self):
+        changed = sorted(self.parent.stash[SNAPSHOT] ^ repo_files())
+        assert not changed, f"the notebook created or deleted files in the repository, not under $TUTORIAL_RUN_DIR: {changed}"
+
+    def reportinfo(self):
+        return self.path, None, f"{self.parent.name}: {self.name}"
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,37 +1,20 @@
-"""What nbval (one clean top-to-bottom run per notebook) does not cover:
-
-- every notebook runs top to bottom twice in one kernel, without a restart: the second pass re-runs
-  every cell against the state the first left behind (an initialised process group, existing
-  checkpoints, open engines), which is what a reader does when they press Run All again;
-- where a notebook says a section runs on its own (a `## ` heading marked ↻, cell tag `restart-point`),
-  it does, from its heading to the next `## ` heading, in a fresh kernel after only the setup cells
-  (every cell before the first ↻ section): what a reader does after restarting the kernel and
-  jumping there. The full runs add that it also runs after every earlier section;
-- both create no file inside the repository: everything goes under the run directory
-  ($TUTORIAL_RUN_DIR). (New or deleted files only: edits you make while the tests run are yours.)
+"""What nbval's two passes over each notebook (tests/conftest.py) do not cover: where a notebook says a
+section runs on its own (a `## ` heading marked ↻, cell tag `restart-point`), it does, from its heading to
+the next `## ` heading, in a fresh kernel after only the setup cells (every cell before the first ↻
+section): what a reader does after restarting the kernel and jumping there. The full passes add that it
+also runs after every earlier section. Like them, it creates no file inside the repository: everything
+goes under the run directory ($TUTORIAL_RUN_DIR).
 """
-import copy
-import os
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.repository import ROOT, repo_files
+
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
 RESTART_TAG, RESTART_MARK = "restart-point", "↻"
-# Python's bytecode cache is the one thing an import may write next to the code.
-NOT_OURS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
-
-
-def repo_files() -> set[str]:
-    """Every file in the checkout, outside NOT_OURS."""
-    files = set()
-    for folder, dirs, names in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if d not in NOT_OURS]
-        files |= {str(Path(folder, name).relative_to(ROOT)) for name in names}
-    return files
 
 
 def execute(cells: list, path: Path, run_dir: Path, monkeypatch) -> list:
@@ -48,12 +31,6 @@ def execute(cells: list, path: Path, run_dir: Path, monkeypatch) -> list:
     checks = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("# Check")]
     assert checks, "no check cell ran"
     return [c.source.splitlines()[0] for c in checks if not any("✓" in o.get("text", "") for o in c.outputs)]
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_twice_in_one_kernel(path, tmp_path, monkeypatch):
-    cells = nbformat.read(path, as_version=4).cells
-    assert execute(cells + copy.deepcopy(cells), path, tmp_path, monkeypatch) == []   # every check passed, twice
 
 
 def is_section_heading(cell) -> bool:

@@ -1,0 +1,30 @@
+"""The notebooks' two nbval passes (tests/conftest.py) on a probe notebook: a stored output that holds in one
+precision only passes the first pass and fails the second, on whichever precision this machine's rule picks."""
+import subprocess
+import sys
+
+import nbformat
+
+from helpers.runtime import detect
+from tests.repository import ROOT
+
+
+def test_an_output_of_one_precision_fails_the_second_pass(tmp_path):
+    rule = detect().precision
+    cell = nbformat.v4.new_code_cell(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                                     "from helpers.runtime import detect\nprint(detect().precision)")
+    cell.execution_count, cell.outputs = 1, [nbformat.v4.new_output("stream", name="stdout", text=f"{rule}\n")]
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "probe.ipynb")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", f"--rootdir={ROOT}",
+                          "-c", str(ROOT / "pyproject.toml"), str(tmp_path / "probe.ipynb"),
+                          "tests/test_notebook_passes.py::test_nothing"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    other = "bf16" if rule == "fp32" else "fp32"
+    failed = [line.split(" - ")[0] for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and failed[0].endswith(f"Cell 0 ({other})"), run.stdout[-3000:]   # the second pass only
+    assert f"'{rule}\\n' == '{other}\\n'" in run.stdout
+    assert "1 failed, 5 passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_nothing():
+    """Collected beside the probe so that pytest loads tests/conftest.py, the two passes' home."""
