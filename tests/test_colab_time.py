@@ -1,0 +1,22 @@
+"""benchmarks/colab_time.py reads the cell timings the stored notebooks keep."""
+from benchmarks import colab_time
+from helpers.model import MODEL_SIZES, gpt2_param_count
+
+
+def test_every_stored_notebook_has_its_cell_timings_and_the_estimate_is_a_range():
+    rows = colab_time.estimate(cpu_peak_tflops=0.4)
+    assert [r["notebook"] for r in rows] == ["01_setup", "02_dataset", "03_trainer", "04_zero_stages",
+                                             "05_memory_tricks", "06_advanced_features"]
+    for r in rows:
+        assert r["here s"] > 0 and r["here s"] == r["rank programs s"] + r["in the kernel s"], r
+        low, high = r["T4 estimate s"]
+        assert r["rank programs s"] <= low <= high, r
+    assert rows[3]["rank programs s"] > rows[3]["in the kernel s"]   # notebook 04 is its torchrun launches
+
+
+def test_notebook_03s_model_grows_as_auto_model_size_picks_it_on_a_gpu():
+    from helpers.hardware import runtime_for
+    from helpers.model import auto_model_size
+    assert auto_model_size(runtime_for("T4")) == colab_time.GPU_MODEL_GROWTH["03"][1]
+    small, tiny = (gpt2_param_count(130, 64, *MODEL_SIZES[s][:2]) for s in ("small", "tiny"))
+    assert colab_time.growth("03") == small / tiny and colab_time.growth("04") == 1.0
