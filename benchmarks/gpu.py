@@ -12,7 +12,7 @@
 4. benchmarks.trainer_vs_plain in its GPU mode (GPT-2 124M, sequence 1024), eager and compiled: the
    contenders' first losses agree with the plain loop's, each compiled one follows its eager twin,
    tokens/s and MFU reported. Its micro-batch is the largest whose contenders (one process each, all
-   alive at once) fit the GPU by the tutorial's memory formulas.
+   alive at once) fit the GPU by the tutorial's memory planner.
 
 Each part runs in a process of its own under a time cap; the summary is rewritten after every part, so a
 failed or timed-out part (or the whole command stopped) leaves the results so far. Without a CUDA GPU it
@@ -35,25 +35,19 @@ TRAIN = ["helpers.programs.train", "--model-size", "small", "--seq-len", "128", 
 BENCHMARK_STAGES = ["--stages", "0", "2", "--hf-stages", "0", "--compiled-stages", "0", "2", "--hf-compiled-stages",
                     "--no-control"]
 BENCHMARK_CONTENDERS = 7   # plain, plain-compiled, ds0, hf0, ds0-compiled, ds2, ds2-compiled: alive at once
-BENCHMARK_MODEL = {"size": "gpt2", "vocab": 50257, "seq_len": 1024}   # GPT-2 124M
 FP16_OVERFLOW_POWER = 32   # 2**32 x a loss of ~5 overflows fp16 (max 65504): the first steps must be skipped
 
 
 def benchmark_micro_batch(memory_gb: float, precision: str, share: float = 0.9) -> int | None:
-    """The largest micro-batch of (8, 4, 2, 1) at which BENCHMARK_CONTENDERS processes of GPT-2 124M fit in
-    `share` of the GPU's memory (GB, 10^9 bytes) by the tutorial's formulas: model states (ZeRO paper,
-    stage 0), activations (Korthikanti et al., with the logits), and planner.OVERHEAD_GB each; None if none."""
-    from helpers.memory.formulas import ELEMENT_BYTES, GB, activation_bytes, bytes_per_param, zero_model_states
-    from helpers.memory.planner import OVERHEAD_GB
-    from helpers.model import MODEL_SIZES, gpt2_param_count
-    n_layer, hidden, heads = MODEL_SIZES[BENCHMARK_MODEL["size"]]
-    seq, vocab = BENCHMARK_MODEL["seq_len"], BENCHMARK_MODEL["vocab"]
-    states = zero_model_states(gpt2_param_count(vocab, seq, n_layer, hidden), 1, 0, *bytes_per_param(precision, 0))
-    for micro_batch in (8, 4, 2, 1):
-        act = activation_bytes(seq, micro_batch, hidden, heads, n_layer, vocab, ELEMENT_BYTES[precision])["total"]
-        if BENCHMARK_CONTENDERS * ((states["total"] + act) / GB + OVERHEAD_GB) <= share * memory_gb:
-            return micro_batch
-    return None
+    """The largest micro-batch of (8, 4, 2, 1) at which BENCHMARK_CONTENDERS processes of GPT-2 124M (sequence
+    1024, the benchmark's GPU defaults) fit in `share` of the GPU's memory (GB, 10^9 bytes) by the planner of
+    notebook 05: model states at ZeRO 0, activations, the fixed overhead per process; None if none does."""
+    from helpers.memory import planner
+    rows = planner.plan("GPT-2 124M", share * memory_gb / BENCHMARK_CONTENDERS, precision=precision,
+                        micro_batches=(8, 4, 2, 1))
+    fitting = [r["micro_batch"] for r in rows if (r["stage"], r["offload"], r["checkpointing"]) == (0, "none", False)
+               and r["fits"]]
+    return max(fitting, default=None)
 
 
 def parts(out: Path, capability: tuple, memory_gb: float) -> list[dict]:

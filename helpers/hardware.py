@@ -35,12 +35,6 @@ def gpu_has_bf16(capability: tuple) -> bool:
 MATRIX_GPUS = ("T4", "A100 40GB", "H200")
 
 
-def gpu_precision(gpu: str) -> str:
-    """The precision the rule picks on this GPU (helpers.precision.choose_precision)."""
-    from .precision import choose_precision   # torch: only when asked
-    return choose_precision(GPUS[gpu]["capability"])[0]
-
-
 def runtime_for(gpu: str):
     """What helpers.runtime.detect() returns on one of GPUS (memory in GiB, as torch reports it)."""
     from .precision import choose_precision

@@ -6,7 +6,7 @@ Which object holds them depends on the wrapper `deepspeed.initialize` put around
 | wrapper (engine.optimizer)  | when                                  | fp32 masters                                  |
 |-----------------------------|---------------------------------------|-----------------------------------------------|
 | DeepSpeedZeroOptimizer(_Stage3) | ZeRO 1-3                          | partitioned: `safe_get_full_fp32_param` gathers one |
-| BF16_Optimizer              | bf16 with ZeRO 0 where DeepSpeed picks it | linked to each weight: `safe_get_full_fp32_param` |
+| BF16_Optimizer              | bf16 under the pipeline engine, or at ZeRO 1 with `grad_accum_dtype` fp32 | linked to each weight: `safe_get_full_fp32_param` |
 | FP16_Optimizer              | fp16/bf16 at ZeRO 0 with FusedAdam (a GPU's default) | one flat fp32 tensor per param group, `fp32_groups_flat` |
 | FP16_UnfusedOptimizer       | fp16/bf16 at ZeRO 0 with another optimizer (torch's AdamW) | one fp32 tensor per weight, `fp32_groups` |
 | the torch optimizer itself  | fp32                                  | none: the weight is stepped in place          |

@@ -11,7 +11,6 @@ On a CPU it builds and checks DeepSpeedCPUAdam instead (ZeRO-Offload's optimizer
 """
 from __future__ import annotations
 
-import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -27,16 +26,11 @@ DEEPSPEED = "0.19.8"         # the facts the notebooks state were read from this
 NVCC_MIN_MAJOR = 12          # -std=c++20, which torch 2.12+ passes to nvcc
 
 
-def as_tuple(text: str) -> tuple[int, ...]:
-    """'2.13.0+cu126' -> (2, 13, 0), '1.15.0rc1' -> (1, 15, 0): the leading number of each dotted part,
-    up to the first part that does not start with one."""
-    parts = []
-    for piece in text.split("+")[0].split("."):
-        number = re.match(r"\d+", piece)
-        if number is None:
-            break
-        parts.append(int(number.group()))
-    return tuple(parts)
+def release(text: str) -> tuple[int, ...]:
+    """'2.13.0+cu126' -> (2, 13, 0), '1.15.0rc1' -> (1, 15, 0): the release numbers of a version (packaging's
+    parse, as pip reads them), without a local build tag or a pre-release mark."""
+    from packaging.version import Version
+    return Version(text).release
 
 
 def version_problems(installed: dict[str, str | None], minimum: dict[str, str] = MINIMUM_VERSIONS) -> list[str]:
@@ -46,7 +40,7 @@ def version_problems(installed: dict[str, str | None], minimum: dict[str, str] =
         have = installed.get(name)
         if have is None:
             problems.append(f"{name} is not installed: pip install '{name}>={least}'")
-        elif as_tuple(have) < as_tuple(least):
+        elif release(have) < release(least):
             problems.append(f"{name} {have} is older than {least}, which the helpers need: pip install -U '{name}>={least}'")
     return problems
 
@@ -58,7 +52,7 @@ def cuda_problem(torch_cuda: str | None, nvcc: tuple[int, int] | None) -> str | 
     if nvcc is None:
         return ("no nvcc under CUDA_HOME: DeepSpeed compiles FusedAdam with it on first use; install the CUDA "
                 f"toolkit {torch_cuda} (e.g. apt-get install cuda-toolkit-{torch_cuda.replace('.', '-')}) or set CUDA_HOME to one")
-    want = as_tuple(torch_cuda)[0]
+    want = release(torch_cuda)[0]
     if nvcc[0] != want:
         return (f"nvcc is CUDA {nvcc[0]}.{nvcc[1]} but torch was built for CUDA {torch_cuda}: DeepSpeed's JIT build of "
                 f"FusedAdam needs the same major version; point CUDA_HOME at a CUDA {want}.x toolkit, or install the "

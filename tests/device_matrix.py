@@ -120,15 +120,13 @@ def parameters(notebook: str) -> dict:
 
 
 def training_gb(size: str, seq_len: int, micro_batch: int, precision: str, overhead_gb: float, vocab: int = 130) -> float:
-    """GB one in-kernel training run needs by the formulas notebooks 04-05 teach: model states at ZeRO 0 (the
-    ZeRO paper's bytes per parameter), activations (Korthikanti et al., with the logits), and a GPU's fixed
-    overhead (planner.OVERHEAD_GB: the CUDA context and workspaces)."""
+    """GB one in-kernel training run needs by notebook 05's planner (the formulas notebooks 04-05 teach): model
+    states at ZeRO 0, activations with the logits, and a GPU's fixed overhead (the CUDA context, workspaces)."""
     n_layer, hidden, heads = MODEL_SIZES[size]
-    psi = gpt2_param_count(vocab, seq_len, n_layer, hidden)
-    states = formulas.zero_model_states(psi, 1, 0, *formulas.bytes_per_param(precision, 0))["total"]
-    act = formulas.activation_bytes(seq_len, micro_batch, hidden, heads, n_layer, vocab,
-                                    formulas.ELEMENT_BYTES[precision])["total"]
-    return (states + act) / formulas.GB + overhead_gb
+    shape = {"params": gpt2_param_count(vocab, seq_len, n_layer, hidden), "largest_layer_params": vocab * hidden,
+             "n_layer": n_layer, "hidden": hidden, "heads": heads, "vocab": vocab, "context": seq_len}
+    rows = planner.plan(shape, float("inf"), precision=precision, micro_batches=(micro_batch,), overhead_gb=overhead_gb)
+    return planner.row_for(rows, 0, micro_batch=micro_batch)["gpu_gb"]
 
 
 def in_kernel_trainings(rt: Runtime) -> dict[str, float]:

@@ -2,13 +2,13 @@
 Adam-op check on this machine's own op, against torch's AdamW."""
 import pytest
 
-from helpers.preflight import adam_op_matches_torch, as_tuple, cuda_problem, version_problems
+from helpers.preflight import adam_op_matches_torch, cuda_problem, release, version_problems
 
 
 @pytest.mark.parametrize("text, expected", [("2.13.0+cu126", (2, 13, 0)), ("4.56.0.dev0", (4, 56, 0)),
                                             ("12.4", (12, 4)), ("8.1.9", (8, 1, 9)), ("1.15.0rc1", (1, 15, 0))])
 def test_versions_compare_by_their_numbers(text, expected):
-    assert as_tuple(text) == expected
+    assert release(text) == expected
 
 
 def test_old_or_missing_packages_are_named_with_the_install_line():
