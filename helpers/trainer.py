@@ -135,6 +135,7 @@ class AdvancedDeepSpeedTrainer:
         import deepspeed
         quiet_deepspeed()
         init_single_process()
+        memory_mark(self.runtime.device)   # peak memory from here: earlier engines in this process do not count
         set_seed(seed)   # Python, NumPy and torch, so runs repeat
         if not self.runtime.is_gpu:   # every step's activations reuse the last step's pages (no page faults)
             keep_freed_memory()
@@ -208,13 +209,12 @@ class AdvancedDeepSpeedTrainer:
 
     def train(self, steps: int, progress: bool = True) -> list[dict]:
         """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard. A step's `memory_mib` is
-        the peak since this call began (earlier engines in the same process are not counted).
+        the peak since this trainer was built (not the engines built before it in the same process).
 
         Progress: tqdm's bar in a terminal; elsewhere (a notebook, a log file) one line at each quarter of
         the run, because a saved notebook keeps every redraw of a bar, beginning with its 0% frame."""
         from tqdm import tqdm
         self.engine.train()
-        memory_mark(self.runtime.device)   # each step's memory_mib: the peak since this call began, not since import
         new = []
         label = f"{self.name} (ZeRO {self.config['zero_optimization']['stage']})"
         in_terminal = sys.stdout.isatty()
