@@ -142,6 +142,7 @@ def run_part(part: dict, out: Path) -> dict:
         return {"name": name, "status": f"skipped: {part['skipped']}", "seconds": 0.0, "problems": []}
     if "config" in part:
         save_json(part["config"], command[command.index("--config") + 1])
+    part["result"].unlink(missing_ok=True)   # an earlier run's file must not be judged as this run's
     log = out / "logs" / (name.split(",")[0].replace(" ", "_") + ".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"{name} (cap {cap} s) ...", flush=True)

@@ -90,7 +90,10 @@ def test_the_notebook_check_finds_a_check_cell_without_its_tick(tmp_path):
 def test_a_skipped_part_and_a_failing_one_are_reported_and_the_rest_goes_on(tmp_path):
     skipped = {"name": "bf16", "command": None, "cap": 35, "skipped": "sm_75 has no bf16 tensor cores"}
     assert gpu.run_part(skipped, tmp_path)["status"] == "skipped: sm_75 has no bf16 tensor cores"
-    failing = {"name": "bad config", "cap": 60, "check": gpu.check_loss_falls, "result": tmp_path / "none" / "rank0.json",
+    stale = tmp_path / "earlier" / "rank0.json"   # an earlier run's result where this one writes
+    stale.parent.mkdir()
+    stale.write_text("{}")
+    failing = {"name": "bad config", "cap": 60, "check": gpu.check_loss_falls, "result": stale,
                "command": ["helpers.programs.train", "--config", str(tmp_path / "missing.json")]}
     row = gpu.run_part(failing, tmp_path)
     assert row["status"] == "failed (exit 1)" and row["problems"] == ["it wrote no rank0.json"]
