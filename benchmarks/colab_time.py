@@ -78,8 +78,8 @@ def main(argv=None) -> None:
     if a.cpu_peak_tflops is None:
         from helpers.runtime import detect
         rt = detect()
-        from helpers.precision import DTYPES, matmul_tflops
-        a.cpu_peak_tflops = max(matmul_tflops(DTYPES[rt.precision], "cpu", n=1024) for _ in range(3))
+        from helpers.precision import dtype, matmul_tflops
+        a.cpu_peak_tflops = max(matmul_tflops(dtype(rt.precision), "cpu", n=1024) for _ in range(3))
         print(f"this CPU: {a.cpu_peak_tflops:.3f} TFLOP/s in {rt.precision} (1024 x 1024 matmul, best of 3)")
     for notebook, (cpu, gpu) in GPU_MODEL_GROWTH.items():
         print(f"notebook {notebook}: its model grows {growth(notebook):.1f}x in parameters on a GPU ({cpu} -> {gpu})")

@@ -19,7 +19,9 @@ import torch
 from helpers.batches import ResumableBatches
 from helpers.model import build_model
 from helpers.runtime import keep_freed_memory
-from helpers.trainer import AdvancedDeepSpeedTrainer, trainer_config
+from helpers.config import build_config
+from helpers.runtime import detect
+from helpers.trainer import AdvancedDeepSpeedTrainer
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.01  # what helpers.config.build_config writes
 
@@ -70,9 +72,16 @@ def warmup_decay(k: int, warmup: int, total: int) -> float:
     return i / warmup if i < warmup else max(0.0, (total - i) / max(1.0, total - warmup))
 
 
+def run_config(s: Setup, stage: int, out: Path, job_name: str) -> dict:
+    """The DeepSpeed config both DeepSpeed contenders run (the trainer and HF's Trainer), this device's defaults."""
+    return build_config(zero_stage=stage, precision=s.precision, micro_batch=s.micro_batch, lr=s.lr,
+                        warmup_steps=s.warmup, total_steps=s.total, grad_clip=s.grad_clip, device=detect().device,
+                        tensorboard_dir=out / "tensorboard", job_name=job_name)
+
+
 class Plain:
     """The loop a reader writes by hand, with torch's fused AdamW (the trainer's optimizer; see
-    helpers.trainer.trainer_config) and bf16 through autocast when the precision is bf16; compiled, the
+    helpers.config.build_config(device="cpu")) and bf16 through autocast when the precision is bf16; compiled, the
     model is torch.compile'd; keep_memory: glibc's malloc keeps freed memory, as the trainer has it on a CPU."""
 
     def __init__(self, data: TokenData, s: Setup, compile: bool = False, keep_memory: bool = False):
@@ -126,10 +135,9 @@ class DeepSpeedTrainer:
     DeepSpeed's engine.compile())."""
 
     def __init__(self, data: TokenData, s: Setup, stage: int, compile: bool = False):
-        self.trainer = AdvancedDeepSpeedTrainer(
-            data, zero_stage=stage, precision=s.precision, micro_batch=s.micro_batch, grad_accum=1, lr=s.lr,
-            warmup_steps=s.warmup, total_steps=s.total, grad_clip=s.grad_clip, seed=s.seed,
-            model_size=s.model_size, output_dir=Path(s.out_dir) / f"ds{stage}", name=f"ds{stage}", compile=compile)
+        out = Path(s.out_dir) / f"ds{stage}"
+        self.trainer = AdvancedDeepSpeedTrainer(data, run_config(s, stage, out, f"ds{stage}"), seed=s.seed, model_size=s.model_size,
+                                                output_dir=out, name=f"ds{stage}", compile=compile)
 
     def train(self, steps: int) -> None:
         self.trainer.train(steps, progress=False)
@@ -191,7 +199,7 @@ def pause_callback():
 
 
 class HFTrainer:
-    """transformers.Trainer with deepspeed= the config AdvancedDeepSpeedTrainer would run (trainer_config),
+    """transformers.Trainer with deepspeed= the config AdvancedDeepSpeedTrainer would run (run_config),
     logging every step (as the other contenders record every step's loss); compiled: torch_compile=True.
 
     Trainer.train() runs to the end in one call, so it runs in a thread that a callback pauses after each
@@ -200,13 +208,10 @@ class HFTrainer:
 
     def __init__(self, data: TokenData, s: Setup, stage: int, compile: bool = False):
         from transformers import PrinterCallback, Trainer
-        from helpers.runtime import detect, init_single_process
+        from helpers.runtime import init_single_process
         init_single_process()   # the 1-rank environment a launcher would set; DeepSpeed looks for MPI without it
         out = Path(s.out_dir) / f"hf{stage}"
-        self.config = trainer_config(
-            detect(), micro_batch=s.micro_batch, zero_stage=stage, precision=s.precision, lr=s.lr,
-            warmup_steps=s.warmup, total_steps=s.total, grad_clip=s.grad_clip, tensorboard_dir=out / "tensorboard",
-            job_name=f"hf{stage}")
+        self.config = run_config(s, stage, out, f"hf{stage}")
         model = build_model(data.vocab_size, data.seq_len, s.model_size, data.tokenizer.pad_token_id, s.seed)
         self.pause = pause_callback()
         self.trainer = Trainer(model=model, args=hf_arguments(self.config, s, out, compile),

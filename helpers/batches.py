@@ -12,7 +12,7 @@ import hashlib
 import torch
 
 from helpers.checkpoints import CheckpointMismatchError
-from helpers.config import require_positive_int
+from helpers.errors import require_positive_int
 
 
 class ResumableBatches:

@@ -15,6 +15,8 @@ import os
 import pickle
 from pathlib import Path
 
+from .precision import precision_of
+
 
 class CheckpointNotFoundError(FileNotFoundError):
     """Asked to resume from a place that holds no complete DeepSpeed checkpoint."""
@@ -106,8 +108,7 @@ def saved_settings(tag_dir: Path) -> dict:
         raise unreadable(tag_dir, err) from err
     config = state["ds_config"]
     saved = {"zero stage": config.get("zero_optimization", {}).get("stage", 0), "world size": state["dp_world_size"],
-             "precision": "bf16" if config.get("bf16", {}).get("enabled") else
-                          "fp16" if config.get("fp16", {}).get("enabled") else "fp32",
+             "precision": precision_of(config),
              "shapes": parameter_shapes(state), "universal": (tag_dir / "zero").is_dir(),
              "batches": state.get("batches")}   # the trainer's data position (client_state)
     if not saved["universal"]:
@@ -147,6 +148,8 @@ def check_settings(tag_dir: Path, saved: dict, run: dict) -> None:
     if not differ:
         return
     fix = "resume with the checkpoint's settings"
+    if saved["universal"] and not run["universal"]:   # DeepSpeed reads ds_to_universal's zero/ folder only when told to
+        fix += ': add "checkpoint": {"load_universal": true} to the DeepSpeed config'
     if len(stages) == 2 and not stages <= {1, 2}:
         fix += ("; DeepSpeed 0.19 cannot move a checkpoint between these stages: ds_to_universal finds no optimizer "
                 "partitions in a ZeRO-0 checkpoint (\"can't find *_optim_states.pt files\"), a ZeRO-0 engine reads its "

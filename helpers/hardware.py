@@ -7,6 +7,8 @@ built for it on a CPU. Pure data: no torch import.
 """
 from __future__ import annotations
 
+from .precision import gpu_has_bf16   # noqa: F401 (the rule's home is helpers.precision; public here too)
+
 # Memory as sold, in 10^9 bytes (formulas.GB; a card's "GB" are GiB, 7% more, which with what the driver
 # reserves leaves a cautious margin). host_gb: RAM of the usual machine around the GPU where there is one
 # (Colab's free T4 and its A100; the H200 machine this project is lent), None where it varies.
@@ -22,15 +24,6 @@ GPUS = {
     "H100 80GB": {"memory_gb": 80, "capability": (9, 0), "arch": "Hopper", "host_gb": None, "peak_tflops": 989},
     "H200": {"memory_gb": 141, "capability": (9, 0), "arch": "Hopper", "host_gb": 137, "peak_tflops": 989},
 }
-# bf16 tensor cores arrived with Ampere (sm_80). Below it torch emulates bf16 on a GPU, many times slower.
-GPU_BF16_CAPABILITY = (8, 0)
-
-
-def gpu_has_bf16(capability: tuple) -> bool:
-    """Whether a CUDA GPU of this compute capability has bf16 tensor cores (the one home of that rule)."""
-    return tuple(capability) >= GPU_BF16_CAPABILITY
-
-
 # The GPUs the device matrix builds every notebook's, program's and GPU script's configs for.
 MATRIX_GPUS = ("T4", "A100 40GB", "H200")
 

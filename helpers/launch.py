@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from helpers import REPO_ROOT, with_repo_on_path
-from helpers.config import require_positive_int
+from helpers.errors import require_positive_int
 from helpers.precision import CPU_BF16_FLAGS, PRECISION_ENV, cpu_flags, cpu_matmul_speeds
 from helpers.runtime import free_port, process_rank
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from helpers.config import require_positive_int
+from helpers.errors import require_positive_int
 from helpers.memory.formulas import ELEMENT_BYTES
 from helpers.model import MODEL_SIZES, gpt2_param_count
 

@@ -2,7 +2,7 @@
 dataset name on the Hugging Face hub (online only), tokenised and packed into rows of `seq_len` tokens.
 
     train, held_out = load_own_text("my_notes.txt", seq_len=64)
-    trainer = AdvancedDeepSpeedTrainer(train, ...)      # the same trainer as the synthetic data's
+    trainer = AdvancedDeepSpeedTrainer(train, ds_config)   # the same trainer as the synthetic data's
 
 Every mistake in the input (a missing path, an empty or binary file, no text column, too little text)
 is a `DataError` naming the input and the fix, raised before any model or engine is built.
@@ -19,17 +19,13 @@ import datasets
 import numpy as np
 import torch
 
-from helpers.config import ConfigError
+from helpers.errors import DataError   # noqa: F401 (public here too)
 from helpers.data import train_tokenizer
 
 WORD_LEVEL = "word-level"   # the --tokenizer that trains the project's word-level tokenizer on your text
 END_OF_TEXT = "[EOS]"       # the word-level tokenizer's mark between two lines (rows) of your text
 SNIFF_BYTES = 1 << 16       # how much of each file is read to tell text from binary
 HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?(:[\w.-]+)?$")   # "wikitext:wikitext-2-raw-v1", "user/name"
-
-
-class DataError(ConfigError):
-    """Training data that cannot be used as given. The message names the input and the fix."""
 
 
 class PackedText(torch.utils.data.Dataset):

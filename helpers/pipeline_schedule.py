@@ -12,7 +12,7 @@ import time
 from itertools import islice
 from statistics import median
 
-from helpers.config import require_positive_int
+from helpers.errors import require_positive_int
 
 # Instruction types of deepspeed.runtime.pipe.schedule, grouped by what the stage is doing.
 COMPUTE = ("ForwardPass", "BackwardPass")

@@ -1,13 +1,54 @@
-"""Which precision to train in: the rule (GPUs by compute capability, CPUs by measurement), the override,
-the CPU matmul measurement behind it, and how closely two runs in a precision can agree."""
+"""The one home of precision: the names, their bytes and torch dtypes, the config block each needs and the
+precision a config asks for; which precision to train in (GPUs by compute capability, CPUs by measurement),
+the override, the CPU matmul measurement behind it, and how closely two runs in a precision can agree.
+torch is imported only where a dtype or a measurement is needed (the planner and formulas run without it)."""
 from __future__ import annotations
 
 import os
 import time
 
-import torch
+from .errors import ConfigError
 
-from .hardware import gpu_has_bf16
+# name -> bytes per element and the torch dtype's name: every table of precisions is read from this one.
+PRECISIONS = {"fp32": {"bytes": 4, "torch": "float32"},
+              "bf16": {"bytes": 2, "torch": "bfloat16"},
+              "fp16": {"bytes": 2, "torch": "float16"}}
+ELEMENT_BYTES = {name: spec["bytes"] for name, spec in PRECISIONS.items()}
+# bf16 tensor cores arrived with Ampere (sm_80). Below it torch emulates bf16 on a GPU, many times slower.
+GPU_BF16_CAPABILITY = (8, 0)
+
+
+def gpu_has_bf16(capability: tuple) -> bool:
+    """Whether a CUDA GPU of this compute capability has bf16 tensor cores (the one home of that rule)."""
+    return tuple(capability) >= GPU_BF16_CAPABILITY
+
+
+def check_name(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is not one of {tuple(PRECISIONS)}")
+    return precision
+
+
+def dtype(precision: str):
+    """The torch dtype a precision trains in: dtype("bf16") is torch.bfloat16."""
+    import torch
+    return getattr(torch, PRECISIONS[check_name(precision)]["torch"])
+
+
+def precision_block(precision: str) -> dict:
+    """The config entries for one precision. fp16 uses dynamic loss scaling (loss_scale 0)."""
+    blocks = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+              "fp16": {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                                "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}}}
+    return blocks[check_name(precision)]
+
+
+def precision_of(config: dict) -> str:
+    """The precision a DeepSpeed config asks for: its enabled fp16 or bf16 block, else fp32."""
+    if (config.get("fp16") or {}).get("enabled"):
+        return "fp16"
+    return "bf16" if (config.get("bf16") or {}).get("enabled") else "fp32"
+
 
 # CPU instruction sets with native bf16 math. Without them PyTorch emulates bf16 matmuls (much slower
 # than fp32). With them bf16 can still be slower: avx512_bf16 alone measured 0.56x fp32 on an Intel Xeon,
@@ -91,13 +132,10 @@ def cpu_matmul_speeds() -> dict[str, float]:
         return speeds
     best = {"fp32": 0.0, "bf16": 0.0}
     for _ in range(3):
-        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            best[name] = max(best[name], matmul_tflops(dtype, "cpu", n=512, seconds=0.1))
+        for name in best:
+            best[name] = max(best[name], matmul_tflops(dtype(name), "cpu", n=512, seconds=0.1))
     os.environ[MEASURED_ENV] = ",".join(f"{k}={v!r}" for k, v in best.items())   # repr: read back exactly
     return best
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # How far apart two computations of the same numbers may land when only their rounding differs: every
@@ -105,9 +143,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def eps(precision: str) -> float:
     """The gap between 1.0 and the next number in the training dtype."""
-    if precision not in DTYPES:
-        raise ValueError(f"precision={precision!r} is not one of {tuple(DTYPES)}")
-    return torch.finfo(DTYPES[precision]).eps
+    import torch
+    return torch.finfo(dtype(precision)).eps
 
 
 def loss_tolerance(precision: str) -> float:
@@ -142,10 +179,11 @@ def repeat_tolerance(device: str) -> float:
     return 0.0 if device == "cpu" else 1e-3
 
 
-def matmul_tflops(dtype: torch.dtype, device: str, n: int = 1024, seconds: float = 0.5) -> float:
-    """Measured dense matmul throughput (TFLOP/s) for one dtype: 2n^3 FLOPs per n x n product."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+def matmul_tflops(element_type, device: str, n: int = 1024, seconds: float = 0.5) -> float:
+    """Measured dense matmul throughput (TFLOP/s) for one torch dtype: 2n^3 FLOPs per n x n product."""
+    import torch
+    a = torch.randn(n, n, device=device).to(element_type)
+    b = torch.randn(n, n, device=device).to(element_type)
 
     def run(reps: int) -> float:
         start = time.perf_counter()

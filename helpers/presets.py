@@ -19,6 +19,7 @@ from pathlib import Path
 
 from helpers import REPO_ROOT
 from helpers.config import build_config, save_json
+from helpers.precision import precision_of
 
 CONFIG_DIR = REPO_ROOT / "configs"
 
@@ -61,7 +62,8 @@ def preset(name: str) -> dict:
     if name not in PRESETS:
         raise KeyError(f"no preset {name!r}: choose one of {sorted(PRESETS)}")
     _, arguments, extra = PRESETS[name]
-    config = build_config(**{**COMMON, **arguments}, extra=extra)
+    # torch's fused AdamW on every device (bitwise resume on a CPU); DeepSpeedCPUAdam where the optimizer is offloaded
+    config = build_config(**{**COMMON, **arguments}, torch_adam=not arguments.get("offload_optimizer"), extra=extra)
     del config["train_batch_size"]   # DeepSpeed computes it for whatever world size launches the file
     return config
 
@@ -77,10 +79,9 @@ def describe() -> list[dict]:
     for name, (purpose, _, _) in PRESETS.items():
         config = preset(name)
         zero = config["zero_optimization"]
-        precision = next((p for p in ("bf16", "fp16") if config.get(p, {}).get("enabled")), "fp32")
         offload = [k.removeprefix("offload_") for k in ("offload_optimizer", "offload_param") if k in zero]
         rows.append({"file": f"configs/{name}.json", "purpose": purpose, "ZeRO stage": zero["stage"],
-                     "precision": precision, "offload": ", ".join(offload) or "-"})
+                     "precision": precision_of(config), "offload": ", ".join(offload) or "-"})
     return rows
 
 

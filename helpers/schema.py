@@ -18,7 +18,7 @@ import json
 import math
 import typing
 
-from helpers.config import ConfigError
+from helpers.errors import ConfigError
 
 # Top-level keys whose value is a block (a JSON object) though DeepSpeed reads them without a default.
 DICT_KEYS = ("zero_optimization", "bf16", "optimizer", "scheduler", "activation_checkpointing", "flops_profiler",

@@ -15,25 +15,13 @@ from . import checkpoints
 from .checkpoints import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,   # noqa: F401
                           find_checkpoint)   # (public here too)
 from .batches import ResumableBatches
-from .config import build_config, validate
+from .config import micro_batch_of, validate
 from .masters import master_weight_pairs
+from .precision import precision_of
 from .memory.measured import memory_mark, peak_memory
 from .model import MODEL_SIZES, auto_model_size, build_model, enable_checkpointing, generate
 from .runtime import (detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, run_dir,
                       world_size)
-
-def one_rank_cpu_zero_defaults(zero_stage: int) -> dict:
-    """ZeRO settings for one rank on a CPU, where no gradient is exchanged.
-
-    With contiguous_gradients (DeepSpeed's default) ZeRO 1/2 allocate a fresh reduce bucket of
-    reduce_bucket_size elements (5e8, 2 GB in fp32) in every backward, copy each gradient into it and free
-    it afterwards (DeepSpeedZeroOptimizer.setup_buckets, stage_1_and_2.py). A GPU's caching allocator
-    hands the same block back; on a CPU it is a fresh memory mapping whose pages fault in again each
-    step, plus a copy of every gradient: ~15 ms a step for a 4.3M-param model here, for a bucket that
-    only pays off when gradients are exchanged (and a GPU's allocator fragments without it).
-    """
-    return {"contiguous_gradients": False} if zero_stage in (1, 2) else {}
-
 
 def undo_optimizer_init_step(engine) -> None:
     """Undo the step DeepSpeed 0.19's fp16/bf16 wrappers at ZeRO 0 take on zero gradients when built
@@ -53,73 +41,35 @@ def undo_optimizer_init_step(engine) -> None:
         group.pop("step", None)   # DeepSpeed's FusedAdam counts steps per group
 
 
-def trainer_config(runtime, *, micro_batch: int, grad_accum: int = 1, zero_stage: int = 0, precision: str = "fp32",
-                   lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
-                   offload_optimizer: bool = False, offload_param: bool = False, zero_extra: dict | None = None,
-                   config_extra: dict | None = None, tensorboard_dir: str | Path | None = None,
-                   job_name: str = "run") -> dict:
-    """The DeepSpeed config the trainer runs, validated; HF `Trainer(deepspeed=...)` takes it unchanged.
-
-    Two CPU defaults differ from DeepSpeed's, both measured (benchmarks/trainer_vs_plain.py):
-    - Optimizer: torch's AdamW (it resumes bitwise; see helpers.config.build_config) with `fused=True`,
-      which DeepSpeed passes on to torch.optim.AdamW: one kernel per tensor instead of a dozen
-      elementwise passes, ~10x faster here, the same update up to float rounding. On a GPU DeepSpeed's
-      FusedAdam; with optimizer offload its DeepSpeedCPUAdam.
-    - On one rank, ZeRO 1/2 without the contiguous gradient bucket (`one_rank_cpu_zero_defaults`).
-    zero_extra and config_extra win over both.
-    """
-    torch_adam = not runtime.is_gpu and not offload_optimizer
-    if not runtime.is_gpu and world_size() == 1:
-        zero_extra = {**one_rank_cpu_zero_defaults(zero_stage), **(zero_extra or {})}
-    config = build_config(
-        micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size(), zero_stage=zero_stage,
-        precision=precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, grad_clip=grad_clip,
-        offload_optimizer=offload_optimizer, offload_param=offload_param, torch_adam=torch_adam,
-        zero_extra=zero_extra, tensorboard_dir=tensorboard_dir, job_name=job_name, extra=config_extra)
-    params = config["optimizer"].get("params", {})
-    if params.get("torch_adam") and not {"fused", "foreach"} & set(params):   # a config_extra choice wins
-        config["optimizer"] = {**config["optimizer"], "params": {**params, "fused": True}}
-    return validate(config, device=runtime.device, world_size=world_size(), capability=runtime.capability)
-
-
 class AdvancedDeepSpeedTrainer:
     """Train a GPT-2-style model on a `SyntheticTextDataset` with a DeepSpeed engine.
 
     Everything the reader can get wrong is checked before `deepspeed.initialize`.
     """
 
-    def __init__(self, train_data, *, model_size: str = "auto", n_positions: int | None = None,
-                 zero_stage: int = 0, precision: str = "auto", micro_batch: int = 16, grad_accum: int = 1,
-                 lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 300, grad_clip: float = 1.0,
-                 offload_optimizer: bool = False, offload_param: bool = False, gradient_checkpointing: bool = False,
-                 zero_extra: dict | None = None, config_extra: dict | None = None,
-                 output_dir: str | Path | None = None, name: str = "run", seed: int = 0,
-                 resume_from: str | Path | None = None, compile: bool = False):
+    def __init__(self, train_data, config: dict, *, model_size: str = "auto", n_positions: int | None = None,
+                 gradient_checkpointing: bool = False, output_dir: str | Path | None = None, name: str = "run",
+                 seed: int = 0, resume_from: str | Path | None = None, compile: bool = False):
+        """`config` is the DeepSpeed config dict, run as written (the literal of notebook 03, a JSON file's
+        contents, or helpers.config.build_config's); the arguments are what DeepSpeed does not hold."""
         self.runtime = detect()
-        self.precision = self.runtime.precision if precision == "auto" else precision
+        self.config = validate(config, device=self.runtime.device, world_size=world_size(),
+                               capability=self.runtime.capability)
+        self.precision = precision_of(config)
         self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
         self.seq_len, self.n_positions = train_data.seq_len, n_positions or train_data.seq_len
         self._check_model(model_size)
-        resume_dir = find_checkpoint(resume_from) if resume_from is not None else None
-        saved = checkpoints.saved_settings(resume_dir) if resume_dir is not None else None
-        if saved and saved["universal"]:   # DeepSpeed reads ds_to_universal's zero/ folder only when told to
-            config_extra = {**(config_extra or {}), "checkpoint": {**(config_extra or {}).get("checkpoint", {}),
-                                                                   "load_universal": True}}
-        self.output_dir = Path(output_dir) if output_dir is not None else run_dir("trainer")
-        self.name, self.grad_accum, self.gradient_checkpointing = name, grad_accum, gradient_checkpointing
         if not isinstance(compile, bool):
             raise ValueError(f"compile={compile!r}: use True (engine.compile(), torch.compile of the model) or False")
-        self.compile = compile
-        self.tensorboard_dir = self.output_dir / "tensorboard"
-        self.job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
-        self.config = trainer_config(
-            self.runtime, micro_batch=micro_batch, grad_accum=grad_accum, zero_stage=zero_stage,
-            precision=self.precision, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, grad_clip=grad_clip,
-            offload_optimizer=offload_optimizer, offload_param=offload_param, zero_extra=zero_extra,
-            config_extra=config_extra, tensorboard_dir=self.tensorboard_dir, job_name=self.job_name)
-        self.batches = ResumableBatches(train_data, micro_batch, seed, process_rank(), world_size())
+        resume_dir = find_checkpoint(resume_from) if resume_from is not None else None
+        saved = checkpoints.saved_settings(resume_dir) if resume_dir is not None else None
+        self.output_dir = Path(output_dir) if output_dir is not None else run_dir("trainer")
+        self.name, self.gradient_checkpointing, self.compile = name, gradient_checkpointing, compile
         self.tokenizer, self.history = train_data.tokenizer, []
+        self.batches = ResumableBatches(train_data, micro_batch_of(self.config, world_size()), seed,
+                                        process_rank(), world_size())
         self.engine = self._build_engine(train_data.vocab_size, seed, resume_dir, saved)   # the first expensive step
+        self.grad_accum = self.engine.gradient_accumulation_steps()   # DeepSpeed's reading of the dict
         if resume_dir is not None:
             self.load_checkpoint(resume_dir.parent, tag=resume_dir.name, saved=saved)
 
@@ -143,7 +93,7 @@ class AdvancedDeepSpeedTrainer:
         if self.gradient_checkpointing:
             enable_checkpointing(model)
         if resume_dir is not None:   # a checkpoint of another shape is refused before the engine exists
-            checkpoints.check_settings(resume_dir, saved, self._settings(model))
+            checkpoints.check_settings(resume_dir, saved, self._settings(model, self.config))
         engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=model.parameters())
         undo_optimizer_init_step(engine)
         if self.compile:   # torch.compile of engine.module in place: the first step then compiles (slow, once)
@@ -160,8 +110,20 @@ class AdvancedDeepSpeedTrainer:
         return self.engine.global_steps
 
     @property
-    def tensorboard_logdir(self) -> Path:
-        return self.tensorboard_dir / self.job_name
+    def zero_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    @property
+    def tensorboard_dir(self) -> Path | None:
+        """Where the config's tensorboard block writes (None without one)."""
+        block = self.config.get("tensorboard") or {}
+        return Path(block.get("output_path") or "runs") if block.get("enabled") else None
+
+    @property
+    def tensorboard_logdir(self) -> Path | None:
+        """This run's event files: the block's output_path / job_name (DeepSpeed's default name without one)."""
+        block = self.config.get("tensorboard") or {}
+        return self.tensorboard_dir / block.get("job_name", "DeepSpeedJobName") if self.tensorboard_dir else None
 
     def train_step(self) -> dict:
         """One optimizer step (grad_accum micro-batches); returns its metrics."""
@@ -198,14 +160,14 @@ class AdvancedDeepSpeedTrainer:
         averaging over 1 rank changes nothing but still costs a flatten, a gloo call and a copy back of
         every gradient. engine.no_sync() is DeepSpeed's own switch for skipping it (ZeRO 1-3 need their
         reduction: it moves the gradients into their partitions)."""
-        if self.engine.world_size == 1 and self.config["zero_optimization"]["stage"] == 0:
+        if self.engine.world_size == 1 and self.zero_stage == 0:
             return self.engine.no_sync()
         return contextlib.nullcontext()
 
     def _engine_drops_grad_norm(self) -> bool:
         """At ZeRO 0 in fp32 DeepSpeed clips with torch's clip_grad_norm_ but throws the norm away
         (engine._take_model_step), so get_global_grad_norm() is None there: measure it ourselves."""
-        return self.config["zero_optimization"]["stage"] == 0 and self.precision == "fp32"
+        return self.zero_stage == 0 and self.precision == "fp32"
 
     def train(self, steps: int, progress: bool = True) -> list[dict]:
         """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard. A step's `memory_mib` is
@@ -216,7 +178,7 @@ class AdvancedDeepSpeedTrainer:
         from tqdm import tqdm
         self.engine.train()
         new = []
-        label = f"{self.name} (ZeRO {self.config['zero_optimization']['stage']})"
+        label = f"{self.name} (ZeRO {self.zero_stage})"
         in_terminal = sys.stdout.isatty()
         bar = tqdm(range(steps), desc=label, disable=not (progress and in_terminal))
         quarters = {math.ceil(steps * q / 4) for q in (1, 2, 3, 4)} if progress and not in_terminal else set()
@@ -241,7 +203,7 @@ class AdvancedDeepSpeedTrainer:
 
     def _log(self, steps: list[dict]) -> None:
         events = [(f"train/{k}", v, m["step"]) for m in steps for k, v in m.items() if k != "step"]
-        if events:
+        if events and self.engine.monitor.enabled:   # only where the config has a monitor block
             self.engine.monitor.write_events(events)
 
     @torch.no_grad()
@@ -250,7 +212,7 @@ class AdvancedDeepSpeedTrainer:
         """Mean next-token loss (nats/token) on `data`, without updating anything."""
         self.engine.eval()
         # A small held-out set (a slice of your own text) may hold fewer rows than one micro-batch.
-        batches = ResumableBatches(data, min(self.config["train_micro_batch_size_per_gpu"], len(data)), seed=0)
+        batches = ResumableBatches(data, min(self.engine.train_micro_batch_size_per_gpu(), len(data)), seed=0)
         n = min(max_batches, batches.batches_per_epoch)
         losses = [self.engine(input_ids=(ids := batches.next().to(self.engine.device)), labels=ids).loss
                   for _ in range(n)]
@@ -269,16 +231,17 @@ class AdvancedDeepSpeedTrainer:
         settings (`saved`, read here when not given) are checked against this run's."""
         tag_dir = find_checkpoint(directory) if tag is None else Path(directory) / tag
         saved = saved or checkpoints.saved_settings(tag_dir)
-        checkpoints.check_settings(tag_dir, saved, self._settings(self.engine.module))
+        checkpoints.check_settings(tag_dir, saved, self._settings(self.engine.module, self.config))
         self.batches.load_state_dict(saved["batches"])   # also before the engine loads: it may refuse the position
         self.history = list(checkpoints.load(self.engine, tag_dir)["history"])
         return tag_dir
 
-    def _settings(self, module) -> dict:
+    @staticmethod
+    def _settings(module, config: dict) -> dict:
         """This run's side of checkpoints.check_settings (under ZeRO 3 a parameter's own shape is its partition's)."""
-        return {"zero stage": self.config["zero_optimization"]["stage"], "world size": world_size(),
-                "precision": self.precision,
-                "universal": self.config.get("checkpoint", {}).get("load_universal", False),
+        return {"zero stage": (config.get("zero_optimization") or {}).get("stage", 0), "world size": world_size(),
+                "precision": precision_of(config),
+                "universal": (config.get("checkpoint") or {}).get("load_universal", False),
                 "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}}
 
     @torch.compiler.set_stance("force_eager")   # every new length would compile again

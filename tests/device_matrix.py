@@ -52,15 +52,16 @@ def notebook_configs(path: Path, rt: Runtime) -> dict[str, dict]:
 
 def trainer_configs(rt: Runtime) -> dict[str, dict]:
     """The trainer's config at each ZeRO stage and offload the notebooks and programs run."""
-    from helpers.trainer import trainer_config
+    from helpers.config import build_config, validate
     settings = {f"ZeRO {s}": dict(zero_stage=s) for s in (0, 1, 2, 3)}
     settings |= {"ZeRO 2 + offload optimizer": dict(zero_stage=2, offload_optimizer=True),
                  "ZeRO 3 + offload optimizer + params": dict(zero_stage=3, offload_optimizer=True, offload_param=True)}
     built = {}
     for name, choice in settings.items():
         try:
-            built[f"trainer: {name}"] = trainer_config(rt, micro_batch=16, precision=rt.precision, **choice)
-        except ConfigError as err:   # trainer_config validates: keep the refusal for the verdict
+            config = build_config(micro_batch=16, precision=rt.precision, device=rt.device, **choice)
+            built[f"trainer: {name}"] = validate(config, device=rt.device, capability=rt.capability)
+        except ConfigError as err:   # as the trainer validates: keep the refusal for the verdict
             built[f"trainer: {name}"] = err
     return built
 

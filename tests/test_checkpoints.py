@@ -8,7 +8,7 @@ import torch
 from helpers.checkpoints import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,
                                  find_checkpoint, write_latest)
 from helpers.data import SyntheticTextDataset
-from helpers.trainer import AdvancedDeepSpeedTrainer
+from tests.trainers import make_trainer
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +17,8 @@ def data():
 
 
 def make(data, path, **kw):
-    return AdvancedDeepSpeedTrainer(data, **{"model_size": "tiny", "zero_stage": 1, "micro_batch": 4, "warmup_steps": 2,
-                                             "total_steps": 20, "output_dir": path, **kw})
+    return make_trainer(data, **{"zero_stage": 1, "micro_batch": 4, "warmup_steps": 2, "total_steps": 20,
+                                 "output_dir": path, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ is ready to run and skips cleanly here."""
 import pytest
 
 from helpers.data import SyntheticTextDataset
-from helpers.trainer import AdvancedDeepSpeedTrainer
+from tests.trainers import make_trainer
 from tests.rank_programs import resume
 
 
@@ -14,8 +14,7 @@ def data():
 
 
 def trainer(data, tmp_path, **kw):
-    return AdvancedDeepSpeedTrainer(data, model_size="tiny", micro_batch=8, warmup_steps=2, total_steps=40,
-                                    output_dir=tmp_path, **kw)
+    return make_trainer(data, micro_batch=8, warmup_steps=2, total_steps=40, output_dir=tmp_path, **kw)
 
 
 def test_compile_must_be_a_bool(data, tmp_path):

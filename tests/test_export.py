@@ -8,7 +8,7 @@ from transformers import pipeline
 from helpers import export
 from helpers.data import SyntheticTextDataset
 from helpers.model import build_model
-from helpers.trainer import AdvancedDeepSpeedTrainer
+from tests.trainers import make_trainer
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +17,8 @@ def data():
 
 
 def trained(data, tmp_path, stage, precision="fp32"):
-    trainer = AdvancedDeepSpeedTrainer(data, model_size="tiny", zero_stage=stage, precision=precision, micro_batch=4,
-                                       lr=3e-3, warmup_steps=1, total_steps=10, output_dir=tmp_path)
+    trainer = make_trainer(data, zero_stage=stage, precision=precision, micro_batch=4, warmup_steps=1, total_steps=10,
+                           output_dir=tmp_path)
     trainer.train(3, progress=False)   # DeepSpeed's warmup takes >= 2 steps, the first ones at lr 0
     return trainer
 

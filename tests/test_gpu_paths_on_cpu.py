@@ -130,13 +130,12 @@ EARLIER_SPIKE = """
 import torch
 from helpers.data import SyntheticTextDataset
 from helpers.memory.measured import peak_memory
-from helpers.trainer import AdvancedDeepSpeedTrainer
+from tests.trainers import make_trainer
 spike = torch.ones(2**28)   # 1 GiB, touched, then freed: an earlier engine's memory
 del spike
 before = peak_memory("cpu")
 data = SyntheticTextDataset("markov", n_samples=64, seq_len=16, seed=0)
-trainer = AdvancedDeepSpeedTrainer(data, model_size="tiny", micro_batch=4, total_steps=4, warmup_steps=1,
-                                   output_dir={out!r})
+trainer = make_trainer(data, micro_batch=4, total_steps=4, warmup_steps=1, output_dir={out!r})
 trainer.train(2, progress=False)
 print(before / 2**20, max(m["memory_mib"] for m in trainer.history))
 """

@@ -100,9 +100,9 @@ def test_options_become_the_programs_flags():
 
 def test_show_prints_the_named_functions_of_a_program(capsys):
     from helpers.launch import show
-    show("zero_stages", "zero_extra")
+    show("zero_stages", "zero_block")
     printed = capsys.readouterr().out
-    assert printed.startswith("# helpers/programs/zero_stages.py: zero_extra\ndef zero_extra(")
+    assert printed.startswith("# helpers/programs/zero_stages.py: zero_block\ndef zero_block(")
     assert "def run_stage(" not in printed
 
 

@@ -1,10 +1,11 @@
 """What a rank really holds: storages counted once, the tiny model's measurement settings, and the bytes
-a trainer holds on one rank against the ZeRO formula at every stage."""
+the ZeRO comparison's run holds on one rank against the ZeRO formula at every stage."""
 import pytest
 import torch
 
 from helpers.memory import measured
 from helpers.memory.formulas import bytes_per_param, zero_model_states
+from helpers.programs import zero_stages
 
 STAGES = (0, 1, 2, 3)
 
@@ -32,19 +33,23 @@ def data():
 
 
 @pytest.mark.parametrize("stage, precision", [(s, "fp32") for s in STAGES] + [(0, "bf16"), (2, "bf16")] +
-                         [pytest.param(s, "auto", marks=pytest.mark.precision) for s in STAGES])
+                         [pytest.param(s, None, marks=pytest.mark.precision) for s in STAGES])
 def test_held_bytes_match_the_formula_on_one_rank(data, tmp_path, stage, precision):
-    trainer = measured.measuring_trainer(data, zero_stage=stage, precision=precision, micro_batch=8, grad_accum=2,
-                                         warmup_steps=2, total_steps=10, output_dir=tmp_path)
-    bucket = trainer.config["zero_optimization"]["reduce_bucket_size"]
-    assert bucket == measured.measurement_zero_extra(trainer.n_params)["reduce_bucket_size"]   # sized to the model
-    held = measured.measure_held(trainer)
-    want = zero_model_states(trainer.n_params, 1, stage, *bytes_per_param(trainer.precision, stage))
+    """The ZeRO comparison's run on one rank, in this process (precision None: the rule's)."""
+    r = zero_stages.run_here({"stage": stage}, data, tmp_path, steps=3, micro_batch=8, precision=precision)
+    bucket = r["zero_config"]["reduce_bucket_size"]
+    assert bucket == measured.measurement_zero_extra(r["n_params"])["reduce_bucket_size"]   # sized to the model
+    held = r["held_bytes"]
+    want = zero_model_states(r["n_params"], 1, stage, *bytes_per_param(r["precision"], stage))
     for part in ("params", "grads", "optimizer"):
         assert held[part] == pytest.approx(want[part], rel=0.10), part
     # the only buffer is one reduce bucket (ZeRO-1 while gradients wait, ZeRO-3 always), sized by measurement_zero_extra
-    assert held["buffers"] in (0, bucket * bytes_per_param(trainer.precision, stage)[1])
-    assert measured.zero2_overhang_bytes(trainer.engine) == 0   # one rank: no partition boundary to cut a param
+    assert held["buffers"] in (0, bucket * bytes_per_param(r["precision"], stage)[1])
+    assert r["zero2_overhang_bytes"] == 0   # one rank: no partition boundary to cut a param
+
+
+def test_held_bytes_are_read_mid_accumulation_only():
     with pytest.raises(ValueError, match="grad_accum >= 2"):
-        trainer.grad_accum = 1
-        measured.measure_held(trainer)
+        measured.held_while_accumulating(engine=None, batches=None, accum=1)
+    with pytest.raises(SystemExit):   # the program refuses it as a flag, before any model is built
+        zero_stages.parse(["--out", "x", "--stages", "1", "--grad-accum", "1"])

@@ -1,4 +1,4 @@
-"""Two "nodes" on localhost (helpers/nodes.py), 2 ranks each, one launcher invocation per node: torchrun's
+"""Two "nodes" on localhost (tests/nodes.py), 2 ranks each, one launcher invocation per node: torchrun's
 --nnodes/--node_rank form at ZeRO 2 and DeepSpeed's launcher (--hostfile, --no_ssh, --node_rank) at ZeRO 3,
 training on a text file. The 2-node run must equal the 1-node run with the same world size, its ranks must
 agree on one model, and it must save and resume exactly."""
@@ -6,7 +6,7 @@ import pytest
 
 from helpers import REPO_ROOT, presets
 from helpers.launch import run_program
-from helpers.nodes import hostfile_text, node_commands, run_on_nodes
+from tests.nodes import hostfile_text, node_commands, run_on_nodes
 
 STAGES = {2: "torchrun", 3: "deepspeed"}
 

@@ -9,7 +9,7 @@ from helpers import REPO_ROOT, presets
 from helpers.checkpoints import CheckpointMismatchError
 from helpers.own_text import DataError, load_own_text
 from helpers.programs import train as program
-from helpers.trainer import AdvancedDeepSpeedTrainer
+from tests.trainers import make_trainer
 
 LINES = ["the cat sat on the mat", "the dog sat on the log", "", "a bird sang `[EOS]`, in (the [UNK])"]
 
@@ -176,7 +176,6 @@ def test_resuming_on_other_text_of_the_same_size_is_refused(tmp_path):
 
 def test_the_trainer_api_takes_own_text_and_evaluates_a_small_held_out_set(tmp_path):
     train, held = load_own_text(REPO_ROOT / "README.md", seq_len=16, held_out=0.01)
-    trainer = AdvancedDeepSpeedTrainer(train, model_size="tiny", micro_batch=64, precision="fp32",
-                                       output_dir=tmp_path, warmup_steps=1, total_steps=2)
+    trainer = make_trainer(train, micro_batch=64, precision="fp32", output_dir=tmp_path, warmup_steps=1, total_steps=2)
     trainer.train(2, progress=False)
     assert len(held) < 64 and trainer.evaluate(held) > 0   # fewer held-out rows than one micro-batch

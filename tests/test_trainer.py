@@ -8,7 +8,8 @@ from helpers.data import SyntheticTextDataset
 from helpers.export import read_tensorboard
 from helpers.runtime import detect
 from helpers.model import build_model, generate
-from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError, trainer_config
+from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError
+from tests.trainers import make_trainer
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +18,9 @@ def data():
 
 
 def small(data, tmp_path, **kw):
-    args = dict(model_size="tiny", micro_batch=8, lr=3e-3, warmup_steps=2, total_steps=40, output_dir=tmp_path)
-    return AdvancedDeepSpeedTrainer(data, **{**args, **kw})
+    args = dict(micro_batch=8, warmup_steps=2, total_steps=40, output_dir=tmp_path,
+                tensorboard_dir=tmp_path / "tensorboard")
+    return make_trainer(data, **{**args, **kw})
 
 
 @pytest.fixture
@@ -86,18 +88,18 @@ def test_resume_with_a_different_dataset_size_is_refused(data, tmp_path):
 
 
 def test_cpu_defaults_fused_adamw_and_no_bucket_on_one_rank():
-    runtime = detect()
-    assert not runtime.is_gpu   # these are the CPU defaults
-    config = {stage: trainer_config(runtime, micro_batch=8, zero_stage=stage) for stage in (0, 1, 2, 3)}
+    assert not detect().is_gpu   # these are the CPU defaults
+    config = {stage: build_config(micro_batch=8, zero_stage=stage, device="cpu") for stage in (0, 1, 2, 3)}
     for stage, c in config.items():
         assert c["optimizer"]["params"]["torch_adam"] and c["optimizer"]["params"]["fused"], stage
         assert ("contiguous_gradients" in c["zero_optimization"]) == (stage in (1, 2)), stage
     assert config[2]["zero_optimization"]["contiguous_gradients"] is False
     # the caller's choices win over the defaults
-    mine = trainer_config(runtime, micro_batch=8, zero_stage=2, zero_extra={"contiguous_gradients": True})
+    mine = build_config(micro_batch=8, zero_stage=2, zero_extra={"contiguous_gradients": True}, device="cpu")
     assert mine["zero_optimization"]["contiguous_gradients"] is True
-    offload = trainer_config(runtime, micro_batch=8, zero_stage=2, offload_optimizer=True)
+    offload = build_config(micro_batch=8, zero_stage=2, offload_optimizer=True, device="cpu")
     assert "fused" not in offload["optimizer"]["params"]   # DeepSpeedCPUAdam, not torch's AdamW
+    assert build_config(zero_stage=1, device="cpu", world_size=2)["zero_optimization"] == {"stage": 1}
 
 
 # build_config's AdamW without torch_adam: DeepSpeed's FusedAdam, under its FP16_Optimizer wrapper at ZeRO 0
@@ -109,7 +111,7 @@ def test_zero0_in_bf16_starts_adam_at_step_zero_like_zero1(data, tmp_path, optim
     """DeepSpeed's bf16 wrappers at ZeRO 0 step their optimizer once on zero gradients when built; the trainer
     undoes that step, so ZeRO 0 trains as ZeRO 1 does (a separate DeepSpeed code path, without that step)."""
     extra = {"optimizer": optimizer} if optimizer else None
-    zero0 = small(data, tmp_path / "z0", precision="bf16", zero_stage=0, config_extra=extra)
+    zero0 = small(data, tmp_path / "z0", precision="bf16", zero_stage=0, extra=extra)
     wrapper = zero0.engine.optimizer
     if optimizer:   # FP16_Optimizer: one flat fp32 master per group
         masters, weights = wrapper.fp32_groups_flat, wrapper.fp16_groups_flat
@@ -118,7 +120,7 @@ def test_zero0_in_bf16_starts_adam_at_step_zero_like_zero1(data, tmp_path, optim
     assert all(torch.equal(m, w.float()) for m, w in zip(masters, weights))   # no weight decay applied yet
     zero0.train(6, progress=False)
     assert {int(state["step"]) for state in wrapper.optimizer.state.values()} == {6}   # the optimizer's own count
-    zero1 = small(data, tmp_path / "z1", precision="bf16", zero_stage=1, config_extra=extra)
+    zero1 = small(data, tmp_path / "z1", precision="bf16", zero_stage=1, extra=extra)
     zero1.train(6, progress=False)
     first, second = ([m["loss"] for m in t.history] for t in (zero0, zero1))
     assert max(abs(a - b) for a, b in zip(first, second)) < 5e-3, (first, second)   # 4e-4 here; 0.05 with the step

@@ -51,9 +51,12 @@ def universal(straight):
     return tag_dir.parent / f"{tag_dir.name}_universal"
 
 
-def continue_on_one_rank(resume_from, stage: int, tmp_path) -> dict:
-    """train.py on 1 rank at `stage` up to STEPS, with twice the accumulation: the straight run's global batch."""
+def continue_on_one_rank(resume_from, stage: int, tmp_path, universal: bool = True) -> dict:
+    """train.py on 1 rank at `stage` up to STEPS, with twice the accumulation: the straight run's global batch;
+    `universal`: the config tells DeepSpeed to read ds_to_universal's output ("checkpoint.load_universal")."""
     config = json.loads((presets.CONFIG_DIR / "zero2.json").read_text())
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
     config["zero_optimization"]["stage"] = stage
     config["gradient_accumulation_steps"] = 2 * config["gradient_accumulation_steps"]
     path = tmp_path / f"zero{stage}_one_rank.json"
@@ -71,7 +74,12 @@ def test_two_rank_zero2_checkpoint_continues_on_one_rank(straight, universal, st
 def test_two_rank_zero0_checkpoint_continues_on_one_rank_unconverted(tmp_path):
     """ZeRO 0 partitions nothing: its checkpoint holds the whole optimizer state and loads on any world size."""
     tag_dir, ranks = two_ranks("zero0.json", tmp_path / "two_ranks")
-    assert_continues(ranks, continue_on_one_rank(tag_dir, 0, tmp_path))
+    assert_continues(ranks, continue_on_one_rank(tag_dir, 0, tmp_path, universal=False))
+
+
+def test_a_universal_checkpoint_without_load_universal_is_refused_naming_the_key(universal, tmp_path):
+    with pytest.raises(CheckpointMismatchError, match='add "checkpoint": {"load_universal": true}'):
+        continue_on_one_rank(universal, 2, tmp_path, universal=False)
 
 
 def assert_continues(ranks: list[dict], resumed: dict) -> None:
@@ -101,7 +109,7 @@ def test_plain_checkpoint_on_another_stage_and_world_size_names_the_conversion(s
             "checkpoint's settings, or, to change the ZeRO stage .* or the world size, convert it to a universal "
             "checkpoint and resume from that: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
             f"{tag_dir} --output_folder {tag_dir}_universal --inject_missing_state$")):
-        continue_on_one_rank(tag_dir, 1, tmp_path)
+        continue_on_one_rank(tag_dir, 1, tmp_path, universal=False)
 
 
 def test_data_position_carries_over_to_another_world_size_and_micro_batch():

@@ -7,5 +7,5 @@ measured     what a rank really holds (by component, by side), peak memory from 
 planner      what fits on a GPU (stage, offload, checkpointing, micro-batch), the explorer's checks and config
 widget       the explorer as ipywidgets
 activations, offload, sixteen_bit: notebook 05's experiments (activation sweep in fresh processes;
-             ZeRO-Offload and 16-bit training runs)
+             ZeRO-Offload and 16-bit runs through helpers/programs/zero_stages.py's run_stage)
 """

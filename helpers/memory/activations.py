@@ -21,6 +21,7 @@ def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpoint
     store the as^2b scores) and a fused GeLU (HF's gelu_new is Python and saves three extra 4sbh intermediates)."""
     import torch
     from ..model import build_model, enable_checkpointing
+    from ..precision import dtype
     model = build_model(vocab, seq_len, model_size)   # dropout off
     model.set_attn_implementation("eager")
     for block in model.transformer.h:
@@ -28,8 +29,7 @@ def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpoint
     model.config.use_cache = False   # no KV cache in training
     if checkpointing:
         enable_checkpointing(model)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return model.to(device=device, dtype=dtype).train()
+    return model.to(device=device, dtype=dtype(precision)).train()
 
 
 def _child_measure(model_size: str, seq_len: int, micro_batch: int, checkpointing: bool, precision: str,

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..config import require_positive_int
+from ..errors import require_positive_int
+from ..precision import ELEMENT_BYTES   # noqa: F401 (public here too: notebook 05 reads it)
 
 GB = 1e9   # the paper's GB (its 7.5B-parameter example: 120, 31.4, 16.6, 1.9 GB on 64 GPUs)
 VOCAB = 50257   # GPT-2's BPE vocabulary, which GPT-3 kept
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # name -> (layers, hidden, heads, context). GPT-2's four sizes (64-dim heads) and GPT-3's larger shapes
 # (Brown et al. 2020, Table 2.1), which show where ZeRO-3, offload and several nodes become necessary.
 # The GPT-3 paper's 5140 for 13B is a typo for 5120 (40 heads x 128).

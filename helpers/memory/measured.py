@@ -27,17 +27,6 @@ def measurement_zero_extra(n_params: int) -> dict:
             "stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0}
 
 
-def measuring_trainer(data, model_size: str = "tiny", zero_extra: dict | None = None, **trainer_args):
-    """An AdvancedDeepSpeedTrainer on `data` with `measurement_zero_extra` (entries of `zero_extra` win),
-    so what it holds can be set beside the formulas."""
-    from ..model import MODEL_SIZES, gpt2_param_count
-    from ..trainer import AdvancedDeepSpeedTrainer
-    n_layer, n_embd, _ = MODEL_SIZES[model_size]
-    n_params = gpt2_param_count(data.vocab_size, data.seq_len, n_layer, n_embd)   # before the model exists
-    return AdvancedDeepSpeedTrainer(data, model_size=model_size, **trainer_args,
-                                    zero_extra={**measurement_zero_extra(n_params), **(zero_extra or {})})
-
-
 def tensors_in(obj):
     """Every tensor inside nested dicts/lists/tuples (None and other objects skipped)."""
     import torch
@@ -87,7 +76,7 @@ def _fp32_masters(opt) -> list:
             + list(getattr(opt, "fp32_partitioned_groups_flat", [])))
 
 
-def held_bytes(engine) -> dict:
+def held_bytes(engine, seen: set | None = None) -> dict:
     """Bytes of model states (and communication buffers) this rank holds now, by component.
 
     Where DeepSpeed 0.19 keeps them (attributes of `engine.optimizer`, or of the model's params):
@@ -100,11 +89,12 @@ def held_bytes(engine) -> dict:
       `fp32_partitioned_groups_flat`) + the inner optimizer's state (Adam exp_avg, exp_avg_sq).
     buffers: reduce buckets `ipg_buckets`: ZeRO-1 while gradients wait for the boundary's reduction,
       ZeRO-3 from init on (ZeRO-2 frees its bucket after each backward).
+    `seen`: storages counted already (split_by_side's host side), left out here.
     """
     opt = engine.optimizer
     model = list(engine.module.parameters())   # tied weights (wte = lm_head) appear once
     masters = _fp32_masters(opt)
-    seen = set()   # shared across components: a storage counted once lands in the first that names it
+    seen = set() if seen is None else seen   # shared across components: a storage lands in the first that names it
 
     def count(*objs):
         return storage_bytes(tensors_in(objs), seen)
@@ -134,18 +124,15 @@ def zero2_overhang_bytes(engine) -> int:
     return extra * opt.gradient_accumulation_dtype.itemsize
 
 
-def measure_held(trainer) -> dict:
-    """`held_bytes` at the moment the paper's formulas describe: Adam state exists (one step ran) and
-    a micro-batch's gradients are accumulating. Needs grad_accum >= 2: DeepSpeed's ZeRO-1 keeps the
-    full gradient while accumulating (its peak, as in the paper), but at the end of the window it
-    reduces it and keeps only its partition, so after the last backward it looks like ZeRO-2."""
-    engine, accum = trainer.engine, trainer.grad_accum
+def held_while_accumulating(engine, batches, accum: int) -> dict:
+    """One optimizer step, with `held_bytes` read after its first backward: the moment the paper's formulas
+    describe, once Adam state exists (a step ran). Needs accum >= 2: DeepSpeed's ZeRO-1 keeps the full
+    gradient while accumulating (its peak, as in the paper), but at the end of the window it reduces it
+    and keeps only its partition, so after the last backward it looks like ZeRO-2."""
     if accum < 2:
-        raise ValueError("measure_held needs a trainer with grad_accum >= 2 (see the docstring)")
-    if trainer.step == 0:
-        trainer.train_step()
+        raise ValueError("held_while_accumulating needs grad_accum >= 2 (see the docstring)")
     for micro in range(accum):
-        ids = trainer.batches.next().to(engine.device)
+        ids = batches.next().to(engine.device)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         if micro == 0:
             held = held_bytes(engine)
@@ -173,9 +160,9 @@ def host_side_tensors(engine) -> list:
 def split_by_side(engine) -> dict:
     """Bytes held on the accelerator side vs the host (offload) side, and the devices the host tensors
     are really on. On a CPU-only machine both sides are the same RAM: only the structure differs."""
-    host = host_side_tensors(engine)
-    host_bytes = storage_bytes(host)
-    return {"accelerator_bytes": sum(held_bytes(engine).values()) - host_bytes, "host_bytes": host_bytes,
+    host, seen = host_side_tensors(engine), set()
+    host_bytes = storage_bytes(host, seen)   # counted first: what held_bytes then finds is the accelerator side's
+    return {"accelerator_bytes": sum(held_bytes(engine, seen).values()), "host_bytes": host_bytes,
             "host_devices": sorted({t.device.type for t in host})}
 
 

@@ -9,7 +9,8 @@ fragmentation beyond OVERHEAD_GB. Everything is plain functions, so the widget s
 from __future__ import annotations
 
 from ..config import PRECISIONS, ZERO_STAGES, build_config, require_positive_int, validate
-from ..hardware import GPUS, gpu_has_bf16
+from ..hardware import GPUS
+from ..precision import gpu_has_bf16
 from .formulas import ELEMENT_BYTES, GB, activation_bytes, bytes_per_param, models, zero_model_states
 
 # Fixed bytes a GPU loses before the first tensor, in GB: the CUDA context (~0.3-0.5 GB with lazy

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median_high
 
-from ..hardware import gpu_has_bf16
+from ..precision import gpu_has_bf16
+from ..programs.zero_stages import run_here
 from .activations import measure_step_memory
-from .measured import measure_held, measuring_trainer
 
 
 def available_precisions(runtime) -> list[str]:
@@ -28,18 +28,17 @@ def available_precisions(runtime) -> list[str]:
     return out
 
 
-def model_states(data, precision: str, steps: int = 3, output_dir=".", **trainer_args) -> dict:
-    """Train briefly at ZeRO 1 in `precision`; bytes held per component (measured.measure_held), tokens/s
-    and losses."""
-    trainer = measuring_trainer(data, precision=precision, zero_stage=1, micro_batch=4, grad_accum=2,
-                                warmup_steps=2, total_steps=steps + 4, output_dir=Path(output_dir) / precision,
-                                name=precision, **trainer_args)
-    held = measure_held(trainer)
-    history = trainer.train(steps, progress=False)
-    trainer.engine.destroy()
-    tokens_per_s = median_high(m["tokens_per_s"] for m in history)
-    return {"precision": precision, "n_params": trainer.n_params, "held_bytes": held, "tokens_per_s": tokens_per_s,
-            "losses": [m["loss"] for m in trainer.history]}
+MICRO_BATCH, GRAD_ACCUM = 4, 2
+
+
+def model_states(data, precision: str, steps: int = 4, output_dir=".") -> dict:
+    """Train briefly at ZeRO 1 in `precision` (the ZeRO comparison's `run_stage`, in this process); bytes
+    held per component (measured.held_while_accumulating), tokens/s of its timed steps and losses."""
+    r = run_here({"stage": 1}, data, Path(output_dir) / precision, steps=steps, precision=precision,
+                 micro_batch=MICRO_BATCH, grad_accum=GRAD_ACCUM)
+    tokens_per_step = MICRO_BATCH * GRAD_ACCUM * data.seq_len   # one rank
+    return {"precision": precision, "n_params": r["n_params"], "held_bytes": r["held_bytes"],
+            "tokens_per_s": tokens_per_step / median_high(r["step_s"]), "losses": r["losses"]}
 
 
 def compare(data, precisions, output_dir=".", seq_len: int = 512) -> list[dict]:

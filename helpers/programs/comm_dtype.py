@@ -20,14 +20,16 @@ import traceback
 import torch
 
 from helpers import comms
-from helpers.config import ConfigError
+from helpers.config import ConfigError, build_config
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
 from helpers.memory.measured import measurement_zero_extra
 from helpers.model import MODEL_SIZES, gpt2_param_count
+from helpers.precision import PRECISIONS
+from helpers.runtime import detect, world_size
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
-COMM_DTYPES = ("fp32", "bf16", "fp16")
+COMM_DTYPES = tuple(PRECISIONS)
 # Collectives that sum gradients across ranks. All-gathers and broadcasts move parameters and
 # bookkeeping (ZeRO-3 checks its parameter order with int64 broadcasts), never gradients.
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter")
@@ -63,11 +65,13 @@ def gradient_collectives(logged: dict) -> dict:
             for op, sizes in logged.items() if op in REDUCTIONS}
 
 
-def trainer_options(a, stage: int, n_params: int) -> dict:
-    """What every run of this experiment shares: model, batch, schedule, seed, small ZeRO buckets."""
-    return dict(model_size=a.model_size, zero_stage=stage, precision=a.precision, micro_batch=a.micro_batch,
-                grad_accum=a.grad_accum, lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, seed=a.seed,
-                zero_extra=measurement_zero_extra(n_params))
+def run_config(a, stage: int, n_params: int, zero_extra: dict | None = None, extra: dict | None = None) -> dict:
+    """The DeepSpeed config every run of this experiment shares (batch, schedule, small ZeRO buckets), plus
+    what one run changes: `zero_extra` in the zero_optimization block, `extra` at the top level."""
+    return build_config(zero_stage=stage, precision=a.precision, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
+                        lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, device=detect().device,
+                        world_size=world_size(), zero_extra=measurement_zero_extra(n_params) | (zero_extra or {}),
+                        extra=extra)
 
 
 def log_one_step(trainer) -> dict:
@@ -79,9 +83,8 @@ def log_one_step(trainer) -> dict:
 
 def run_dtype(a, dtype: str, data, n_params: int) -> dict:
     """Train with gradients communicated in `dtype`; return bytes sent per step, losses and step times."""
-    trainer = AdvancedDeepSpeedTrainer(data, **trainer_options(a, a.stage, n_params),
-                                       config_extra={"communication_data_type": dtype},
-                                       output_dir=f"{a.out}/{dtype}")
+    config = run_config(a, a.stage, n_params, extra={"communication_data_type": dtype})
+    trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size, seed=a.seed, output_dir=f"{a.out}/{dtype}")
     trainer.train(1, progress=False)     # warm-up: buffers allocated, optimizer state created
     logged = log_one_step(trainer)
     timed = trainer.train(a.steps - 2, progress=False)
@@ -150,9 +153,8 @@ def zeropp_trial(a, data, n_params: int) -> dict:
     extra = zeropp_block(a.zeropp, a.hpz)
     result = {"features": a.zeropp, "zero_extra": extra, "ran": False, "failed_in": None, "error": None, "where": None, "losses": []}
     try:
-        options = trainer_options(a, 3, n_params)
-        options["zero_extra"] = {**options["zero_extra"], **extra}
-        trainer = AdvancedDeepSpeedTrainer(data, **options, output_dir=f"{a.out}/zeropp")
+        trainer = AdvancedDeepSpeedTrainer(data, run_config(a, 3, n_params, zero_extra=extra), model_size=a.model_size,
+                                           seed=a.seed, output_dir=f"{a.out}/zeropp")
     except ConfigError as err:   # the validator stops it before DeepSpeed (on a CPU)
         return {**result, "failed_in": "helpers.config.validate", "error": f"ConfigError: {err}"}
     except Exception as err:  # noqa: BLE001 - DeepSpeed's own failure, whatever its type, is the result

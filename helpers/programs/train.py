@@ -15,12 +15,10 @@ It writes TensorBoard scalars (OUTPUT_DIR/tensorboard), DeepSpeed checkpoints
 (OUTPUT_DIR/checkpoints, with the model config and tokenizer that `python -m helpers.export` needs)
 and, on rank 0, OUTPUT_DIR/metrics.json, and prints where they are.
 
-The file's settings reach DeepSpeed unchanged: batch size, accumulation, ZeRO stage, offload,
-precision and AdamW become the trainer's arguments (they also steer its own loop), every other key
-is passed through as it is, and the engine's final config is compared with the file. Only the
-TensorBoard location is the script's own. A file the trainer cannot run as written (a pipeline
-config, another optimizer, no LR schedule, AdamW settings the trainer does not expose) is refused
-with the key named, before any training step.
+The file is the DeepSpeed config: it reaches `deepspeed.initialize` as written (validated once, on
+this many ranks), and the trainer reads batch size, accumulation and ZeRO stage back from the engine.
+Only the TensorBoard block is the script's own (OUTPUT_DIR/tensorboard). A pipeline config is refused
+(this script trains a GPT2LMHeadModel, not a PipelineModule), before any model is built.
 """
 from __future__ import annotations
 
@@ -30,13 +28,8 @@ import sys
 from pathlib import Path
 
 from helpers.checkpoints import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
-from helpers.config import ConfigError, load_json, validate
-
-# Blocks the trainer builds itself from its arguments, adding what it needs (torch's AdamW on a CPU for
-# bitwise-exact resumes; its offload settings); every other top-level key is passed through as it is.
-BUILT_BY_TRAINER = ("optimizer", "zero_optimization")
-# Replaced by the script: metrics always go to OUTPUT_DIR/tensorboard.
-REPLACED = ("tensorboard",)
+from helpers.config import ConfigError, load_json, micro_batch_of, validate
+from helpers.errors import InputError
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -100,6 +93,7 @@ def check_options(a: argparse.Namespace, world_size: int) -> None:
     if not path.is_file():
         raise ConfigError(f"config file {a.config} not found (relative paths may start at the repository root)")
     config = validate(load_json(path), device="cuda" if gpu_count() >= world_size else "cpu", world_size=world_size)
+    check_runnable(config)
     if a.data is not None:   # a data mistake (missing file, no text column, too little text) fails here too
         own_data(a, config, world_size)
 
@@ -109,7 +103,7 @@ def own_data(a: argparse.Namespace, config: dict, world_size: int):
     from helpers.own_text import load_own_text, require_global_batch
     train, held_out = load_own_text(a.data, a.seq_len, seed=a.seed, **own_text_options(a))
     accum = config.get("gradient_accumulation_steps", 1)
-    require_global_batch(train, _micro_batch(config, accum, world_size) * accum * world_size, a.data)
+    require_global_batch(train, micro_batch_of(config, world_size) * accum * world_size, a.data)
     return train, held_out
 
 
@@ -129,101 +123,40 @@ def synthetic_data(a: argparse.Namespace):
                                       tokenizer=data.tokenizer)
 
 
-def precision_of(config: dict) -> str:
-    if config.get("fp16", {}).get("enabled"):
-        return "fp16"
-    return "bf16" if config.get("bf16", {}).get("enabled") else "fp32"
-
-
-def trainer_arguments(config: dict, world_size: int) -> dict:
-    """AdvancedDeepSpeedTrainer keyword arguments that make its DeepSpeed config equal `config`.
-
-    Raises ConfigError naming the key when the trainer cannot run the file as written.
-    """
-    _check_runnable(config)
-    zero = dict(config.get("zero_optimization", {}))
-    params, schedule = config["optimizer"].get("params", {}), config["scheduler"].get("params", {})
-    accum = config.get("gradient_accumulation_steps", 1)
-    return dict(
-        micro_batch=_micro_batch(config, accum, world_size), grad_accum=accum,
-        zero_stage=zero.pop("stage", 0), precision=precision_of(config),
-        offload_optimizer=zero.pop("offload_optimizer", None) is not None,
-        offload_param=zero.pop("offload_param", None) is not None,
-        lr=params.get("lr", 1e-3), grad_clip=config.get("gradient_clipping", 0.0),   # DeepSpeed's defaults
-        # Only used to build the schedule, which the file's own block then replaces unchanged.
-        warmup_steps=schedule.get("warmup_num_steps", 1), total_steps=schedule.get("total_num_steps", 1),
-        zero_extra=zero,
-        # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
-        compile=bool(config.get("compile", {}).get("deepcompile")),
-        config_extra={k: v for k, v in config.items() if k not in BUILT_BY_TRAINER + REPLACED})
-
-
-def _check_runnable(config: dict) -> None:
+def check_runnable(config: dict) -> None:
     if "pipeline" in config:
         raise ConfigError("'pipeline' config: pipeline parallelism needs a deepspeed.pipe.PipelineModule, and "
                           "this script trains a GPT2LMHeadModel; use the file with a PipelineModule "
                           "(see notebook 06), or a configs/zero*.json here")
-    opt_type = config.get("optimizer", {}).get("type")
-    if str(opt_type).lower() != "adamw":
-        raise ConfigError(f"optimizer.type={opt_type!r}: the trainer trains with AdamW; set optimizer.type "
-                          "to 'AdamW' (with params lr, betas, eps, weight_decay)")
-    if "scheduler" not in config:
-        raise ConfigError("no 'scheduler' block: the trainer always schedules the learning rate; add one, "
-                          "e.g. the WarmupDecayLR block of configs/zero0.json")
 
 
 def run_length(config: dict, steps: int | None) -> int:
     """--steps, or by default the whole LR schedule; never past its end, where the rate is 0."""
-    total = config["scheduler"].get("params", {}).get("total_num_steps")
+    total = (config.get("scheduler") or {}).get("params", {}).get("total_num_steps")
+    if steps is None and total is None:
+        raise ConfigError("no scheduler.params.total_num_steps in the file to train to: pass --steps")
     if steps is None:
-        return total or 1
+        return total
     if total is not None and steps > total:
         raise ConfigError(f"--steps={steps} runs past scheduler.params.total_num_steps={total}, where the "
                           "learning rate has decayed to 0: train fewer steps or raise total_num_steps in the file")
     return steps
 
 
-def _micro_batch(config: dict, accum: int, world_size: int) -> int:
-    if "train_micro_batch_size_per_gpu" in config:
-        return config["train_micro_batch_size_per_gpu"]
-    total = config.get("train_batch_size")
-    if total is None or total % (accum * world_size):
-        raise ConfigError(f"set train_micro_batch_size_per_gpu: train_batch_size={total} is not a multiple of "
-                          f"gradient_accumulation_steps ({accum}) x world size ({world_size})")
-    return total // (accum * world_size)
-
-
-def unhonoured(wanted: dict, used: dict, prefix: str = "") -> list[str]:
-    """Every setting of `wanted` (the file) whose value differs in `used` (the engine's config)."""
-    problems = []
-    for key, value in wanted.items():
-        path, actual = f"{prefix}{key}", used.get(key, "<missing>")
-        if prefix == "" and key in REPLACED:
-            continue
-        if isinstance(value, dict) and isinstance(actual, dict):
-            problems += unhonoured(value, actual, f"{path}.")
-        elif actual != value:
-            problems.append(f"{path}: file {value!r}, trainer {actual!r}")
-    return problems
-
-
 def train(a: argparse.Namespace) -> dict:
-    """Build the trainer from the file, train to --steps with checkpoints, and report the run."""
-    from helpers.runtime import detect, process_rank, run_dir, world_size
+    """Hand the file's dict to the trainer, train to --steps with checkpoints, and report the run."""
+    from helpers.runtime import process_rank, run_dir, world_size
     from helpers.trainer import AdvancedDeepSpeedTrainer
-    runtime = detect()
-    config = validate(load_json(a.config), device=runtime.device, world_size=world_size(), capability=runtime.capability)
-    arguments = trainer_arguments(config, world_size())   # refuse a bad file before building anything
-    steps = run_length(config, a.steps)
     output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
+    config = load_json(a.config) | {"tensorboard": {   # the one block the script owns
+        "enabled": True, "output_path": str(output_dir / "tensorboard"), "job_name": Path(a.config).stem}}
+    check_runnable(config)
+    steps = run_length(config, a.steps)
     data, held_out = own_data(a, config, world_size()) if a.data is not None else synthetic_data(a)
-    trainer = AdvancedDeepSpeedTrainer(data, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
-                                       name=Path(a.config).stem, resume_from=a.resume_from,
-                                       **arguments | {"compile": arguments["compile"] or a.compile})
-    problems = unhonoured(config, trainer.config)
-    if problems:
-        raise ConfigError("the trainer cannot run this file as written (set these to the trainer's values, "
-                          "or train with the file through deepspeed.initialize directly): " + "; ".join(problems))
+    # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
+    compile = a.compile or bool((config.get("compile") or {}).get("deepcompile"))
+    trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
+                                       name=Path(a.config).stem, resume_from=a.resume_from, compile=compile)
     checkpoint = _train_with_checkpoints(trainer, steps, a.save_every, output_dir / "checkpoints",
                                          progress=process_rank() == 0)
     return {"config": str(a.config), "world_size": trainer.engine.world_size, "rank": process_rank(),
@@ -272,7 +205,7 @@ def cli(argv=None) -> None:
     exit status 1, not a traceback; anything else is a bug and keeps its traceback."""
     try:
         main(argv)
-    except (ConfigError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError) as err:
+    except (InputError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError) as err:
         sys.exit(f"error: {err}")
 
 

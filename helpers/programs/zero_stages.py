@@ -5,20 +5,28 @@ and record what this rank holds, how long steps take, the losses, and what it se
 
 One launch runs every stage (starting N processes costs more than a stage's training). Every rank
 builds the identical model (same seed) and reads its own shard of the same data order; the only
-thing that changes between stages is the config's zero_optimization block (`zero_extra` below adds to
-the trainer's; each result records the whole block DeepSpeed ran with).
+thing that changes between stages is the config's zero_optimization block (`zero_block` below), which
+each result records as DeepSpeed ran it. Notebook 05 runs its offload and 16-bit comparisons through
+the same `run_stage`, in its own kernel (`run_here`), with the zero_optimization blocks it writes out.
 """
 import argparse
+import time
 
+import deepspeed
 import torch
+from transformers import set_seed
 
 from helpers import comms
+from helpers.batches import ResumableBatches
+from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
-from helpers.launch import write_result
-from helpers.memory.measured import measure_held, measurement_zero_extra, split_by_side, zero2_overhang_bytes
-from helpers.memory.measured import peak_memory
-from helpers.model import MODEL_SIZES, gpt2_param_count
-from helpers.trainer import AdvancedDeepSpeedTrainer
+from helpers.launch import flags, write_result
+from helpers.memory.measured import (held_while_accumulating, measurement_zero_extra, peak_memory, split_by_side,
+                                     zero2_overhang_bytes)
+from helpers.model import build_model
+from helpers.precision import PRECISIONS
+from helpers.runtime import detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, world_size
+from helpers.trainer import undo_optimizer_init_step
 
 
 def parse(argv=None):
@@ -29,14 +37,21 @@ def parse(argv=None):
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--grad-accum", type=int, default=2, help=">= 2: see helpers.memory.measured.measure_held")
+    p.add_argument("--grad-accum", type=int, default=2,
+                   help=">= 2: see helpers.memory.measured.held_while_accumulating")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=list(PRECISIONS), help="default: the one this machine's rule picks")
     p.add_argument("--paper-comm", action="store_true",
                    help="configure ZeRO-2/3 communication as the paper describes it (see notebook 04)")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="ZeRO-Offload: optimizer state and its step on the host (stages 1-3; notebook 05)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.steps < 3:
+        p.error(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
+    if a.grad_accum < 2:
+        p.error(f"--grad-accum={a.grad_accum}: need at least 2 (see helpers.memory.measured.held_while_accumulating)")
+    return a
 
 
 # DeepSpeed's defaults differ from the paper's algorithm in two places (measured in notebook 04):
@@ -47,55 +62,94 @@ PAPER_COMM = {1: {"use_multi_rank_bucket_allreduce": False}, 2: {"use_multi_rank
               3: {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0}}
 
 
-def zero_extra(a, stage: int, n_params: int) -> dict:
-    """Keys added to the trainer's zero_optimization block: buckets small enough that ZeRO really
-    partitions this tiny model (measurement_zero_extra), and the paper's algorithm."""
-    return {**measurement_zero_extra(n_params), **(PAPER_COMM.get(stage, {}) if a.paper_comm else {})}
+def zero_block(a, block: dict, n_params: int) -> dict:
+    """The zero_optimization block of one run: buckets small enough that ZeRO really partitions this tiny
+    model (measurement_zero_extra), the paper's algorithm if asked, offload if asked; the entries of
+    `block` (at least the stage) win."""
+    stage = block["stage"]
+    out = {"stage": stage, **measurement_zero_extra(n_params), **(PAPER_COMM.get(stage, {}) if a.paper_comm else {})}
+    if a.offload_optimizer:
+        out["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    return out | block
 
 
-def run_stage(a, stage: int, data, n_params: int) -> dict:
-    """Train at one ZeRO stage; return what this rank held, sent, and how its steps went."""
-    extra = zero_extra(a, stage, n_params)
-    trainer = AdvancedDeepSpeedTrainer(
-        data, model_size=a.model_size, zero_stage=stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
-        lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, seed=a.seed, output_dir=f"{a.out}/stage{stage}",
-        offload_optimizer=a.offload_optimizer, zero_extra=extra)
-    if trainer.runtime.is_gpu:
+def train_step(engine, batches, grad_accum: int) -> float:
+    """One optimizer step: grad_accum micro-batches through forward, backward and engine.step()."""
+    losses = []
+    for _ in range(grad_accum):
+        ids = batches.next().to(engine.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()   # DeepSpeed updates the weights only at the last micro-batch of the step
+        losses.append(loss.detach())
+    return torch.stack(losses).float().mean().item()
+
+
+def run_stage(a, block: dict, data, rt) -> dict:
+    """Train with one zero_optimization `block` ({"stage": 2}, or a whole block); return what this rank held,
+    sent, and how its steps went."""
+    set_seed(a.seed)
+    model = build_model(data.vocab_size, a.seq_len, a.model_size, data.tokenizer.pad_token_id, a.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    zero, precision = zero_block(a, block, n_params), a.precision or rt.precision
+    config = build_config(zero_stage=zero["stage"], micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
+                          warmup_steps=2, total_steps=a.steps + 1, precision=precision, device=rt.device,
+                          world_size=world_size(), offload_optimizer="offload_optimizer" in zero,   # DeepSpeedCPUAdam
+                          extra={"zero_optimization": zero})
+    validate(config, device=rt.device, world_size=world_size(), capability=rt.capability)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    undo_optimizer_init_step(engine)   # stage 0 in 16 bits: see notebook 04, section 2
+    batches = ResumableBatches(data, a.micro_batch, a.seed, process_rank(), world_size())
+    if rt.is_gpu:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train(1, progress=False)             # warm-up: buffers allocated, optimizer state created
-    held = measure_held(trainer)          # model states while gradients accumulate (one step)
-    sides = split_by_side(trainer.engine)   # what lives on the accelerator side and on the host side
+
+    losses = [train_step(engine, batches, a.grad_accum)]   # warm-up: buffers allocated, Adam state created
+    held = held_while_accumulating(engine, batches, a.grad_accum)   # one step, model states read mid-accumulation
+    sides = split_by_side(engine)                           # what lives on the accelerator side and on the host
     comms.start_logging()
-    trainer.train(1, progress=False)             # one step's collectives, logged
+    losses.append(train_step(engine, batches, a.grad_accum))   # one step's collectives, logged
     logged = comms.stop_logging()
-    history = trainer.train(a.steps - 2, progress=False)   # + the measurement step: steps + 1 in all
-    world = trainer.engine.world_size
+    step_s = []
+    for _ in range(a.steps - 2):                            # timed steps: --steps + 1 in all, with the measured one
+        start = time.perf_counter()
+        losses.append(train_step(engine, batches, a.grad_accum))
+        step_s.append(time.perf_counter() - start)
+
+    world, inner = engine.world_size, getattr(engine.optimizer, "optimizer", engine.optimizer)
     result = {
-        "stage": stage, "world_size": world, "n_params": n_params, "precision": trainer.precision,
-        "device": str(trainer.engine.device), "backend": torch.distributed.get_backend(),
-        "zero_config": trainer.config["zero_optimization"],
-        "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(trainer.engine), **sides,
+        "stage": zero["stage"], "world_size": world, "n_params": n_params, "precision": precision,
+        "device": str(engine.device), "backend": torch.distributed.get_backend(),
+        "zero_config": config["zero_optimization"], "optimizer": type(inner).__name__,
+        "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(engine), **sides,
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
-        "peak_memory_mib": peak_memory("cuda") / 2**20 if trainer.runtime.is_gpu else None,
-        "step_s": [m["step_s"] for m in history], "losses": [m["loss"] for m in trainer.history],
-        "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world)}
-    trainer.engine.destroy()   # release hooks and buffers before the next stage's engine
+        "peak_memory_mib": peak_memory("cuda") / 2**20 if rt.is_gpu else None,
+        "step_s": step_s, "losses": losses, "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world)}
+    engine.destroy()   # release hooks and buffers before the next stage's engine
     return result
 
 
-def setup(a):
-    """(data, n_params) for a run of --steps (>= 3: a warm-up, a logged and a timed step)."""
-    if a.steps < 3:
-        raise SystemExit(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
-    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
-    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
-    return data, gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+def set_up_process(rt) -> None:
+    quiet_deepspeed()
+    init_single_process()   # a no-op under torchrun; one rank's environment when run with plain python
+    if not rt.is_gpu:   # every step's activations reuse the last step's pages (no page faults)
+        keep_freed_memory()
+
+
+def run_here(block: dict, data, out, **options) -> dict:
+    """`run_stage` in this process (a notebook's kernel, a test) on `data`, with the program's defaults and
+    `options` as its flags (micro_batch=8 -> --micro-batch=8)."""
+    a = parse(["--out", str(out), "--stages", str(block["stage"]), f"--seq-len={data.seq_len}", *flags(options)])
+    rt = detect()
+    set_up_process(rt)
+    return run_stage(a, block, data, rt)
 
 
 def main(argv=None):
     a = parse(argv)
-    data, n_params = setup(a)
-    write_result(a.out, {"stages": [run_stage(a, s, data, n_params) for s in a.stages]})
+    rt = detect()
+    set_up_process(rt)
+    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+    write_result(a.out, {"stages": [run_stage(a, {"stage": s}, data, rt) for s in a.stages]})
     torch.distributed.barrier()
 
 

@@ -12,7 +12,7 @@ import torch
 from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
 from helpers.runtime import process_rank
-from helpers.trainer import AdvancedDeepSpeedTrainer
+from tests.trainers import make_trainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -20,9 +20,8 @@ parser.add_argument("--phase", choices=("crash", "resume"), required=True)
 a = parser.parse_args()
 checkpoints = Path(a.out).parent / "checkpoints"
 data = SyntheticTextDataset("markov", n_samples=128, seq_len=32, seed=0)
-trainer = AdvancedDeepSpeedTrainer(data, model_size="tiny", zero_stage=1, micro_batch=4, warmup_steps=2,
-                                   total_steps=20, output_dir=Path(a.out) / "run",
-                                   resume_from=checkpoints if a.phase == "resume" else None)
+trainer = make_trainer(data, zero_stage=1, micro_batch=4, warmup_steps=2, total_steps=20, output_dir=Path(a.out) / "run",
+                       resume_from=checkpoints if a.phase == "resume" else None)
 if a.phase == "crash":
     trainer.train(2, progress=False)
     trainer.save_checkpoint(checkpoints)

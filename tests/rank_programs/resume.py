@@ -15,7 +15,7 @@ from helpers.data import SyntheticTextDataset
 from helpers.launch import write_result
 from helpers.memory.measured import measurement_zero_extra
 from helpers.model import MODEL_SIZES, gpt2_param_count
-from helpers.trainer import AdvancedDeepSpeedTrainer
+from tests.trainers import make_trainer
 
 
 def parse(argv=None):
@@ -48,8 +48,8 @@ def run_stage(a, stage: int, data) -> dict:
     n_layer, n_embd, _ = MODEL_SIZES["tiny"]
     extra = measurement_zero_extra(gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd))
     checkpoints = Path(a.out).parent / f"stage{stage}-checkpoints"   # shared by both phases' out dirs
-    trainer = AdvancedDeepSpeedTrainer(
-        data, model_size="tiny", zero_stage=stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
+    trainer = make_trainer(
+        data, zero_stage=stage, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
         warmup_steps=3, total_steps=a.steps + 2, seed=a.seed, output_dir=Path(a.out) / f"stage{stage}",
         zero_extra=extra, resume_from=checkpoints if a.phase == "resumed" else None, compile=a.compile)
     data_seen = record_data(trainer)
