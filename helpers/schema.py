@@ -159,6 +159,7 @@ def check_optimizer(config: dict) -> None:
     params = check_params("optimizer", config["optimizer"])
     if name.lower() in ("adam", "adamw"):   # DeepSpeed's Adam(W) is torch's AdamW, FusedAdam or CPUAdam
         optimizer, extra = torch.optim.AdamW, {"torch_adam", "adam_w_mode"}
+        check_torch_adam(params)
     elif name.lower() in DEEPSPEED_OPTIMIZERS:
         return   # LAMB, Lion, Muon...: CUDA kernels whose arguments DeepSpeed checks itself
     else:
@@ -169,6 +170,21 @@ def check_optimizer(config: dict) -> None:
         optimizer(probe, **{k: v for k, v in params.items() if k not in extra | {"fused", "foreach"}})
     except (ValueError, TypeError, IndexError) as err:
         raise ConfigError(f"optimizer.params: {optimizer.__name__} refuses them: {err}") from None
+
+
+def check_torch_adam(params: dict) -> None:
+    """`fused` and `foreach` are torch.optim.AdamW's: DeepSpeed passes them on only when torch_adam is true
+    (engine.get_optimizer_configuration); its FusedAdam and DeepSpeedCPUAdam take neither."""
+    flag = params.get("torch_adam", False)
+    if not isinstance(flag, bool):
+        raise wrong_type("optimizer.params.torch_adam", flag, "true or false")
+    torch_only = sorted({"fused", "foreach"} & params.keys())
+    for key in torch_only:
+        if params[key] is not None and not isinstance(params[key], bool):
+            raise wrong_type(f"optimizer.params.{key}", params[key], "true, false or null")
+    if torch_only and not flag:
+        raise ConfigError(f"optimizer.params.{torch_only[0]}: only torch's AdamW takes it; set "
+                          f"optimizer.params.torch_adam to true, or remove {torch_only[0]}")
 
 
 def check_scheduler(config: dict) -> None:
