@@ -108,3 +108,20 @@ def restore_distributed_env():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+FILE_SECONDS = defaultdict(float)   # test file -> seconds of its set-up, calls and tear-down
+
+
+def pytest_runtest_logreport(report):
+    FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where CI's time goes, per test file (its budget: 40 minutes on a quiet 2-core box)."""
+    if not FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(FILE_SECONDS.values()):8.1f}  in all")

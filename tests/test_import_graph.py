@@ -1,0 +1,78 @@
+"""Every helpers module imports on its own, in a fresh interpreter, and helpers' imports form no circle.
+
+The graph is read from the source (every `import` and `from ... import` naming a helpers module, at module
+level or inside a function: a deferred import that closes a circle is still a circle in the design), and
+checked for a cycle by depth-first search."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.repository import ROOT
+
+HELPERS = ROOT / "helpers"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(HELPERS.rglob("*.py"))}
+
+
+def imported(name: str, path: Path) -> set[str]:
+    """The helpers modules `path` imports (a name imported from a package counts as its submodule if one exists)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+            source = ".".join(filter(None, (base, node.module)))
+            found |= {f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names}
+    return {m for m in found if m in MODULES and m != name}
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph`, as [a, b, ..., a], or None."""
+    state, path = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = "done"
+        return None
+
+    return next((found for node in sorted(graph) if node not in state and (found := visit(node))), None)
+
+
+def test_the_cycle_finder_finds_a_circle_and_passes_a_tree():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_graph_reads_relative_and_absolute_imports():
+    graph = {name: imported(name, path) for name, path in MODULES.items()}
+    assert "helpers.memory.formulas" in graph["helpers.memory.measured"]   # absolute
+    assert "helpers.checkpoints" in graph["helpers.trainer"]               # `from . import checkpoints`
+    assert "helpers.precision" in graph["helpers.memory.activations"]      # `from ..precision import`
+
+
+def test_helpers_imports_form_no_circle():
+    graph = {name: imported(name, path) for name, path in MODULES.items()}
+    assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+def test_every_helpers_module_imports_in_a_fresh_interpreter():
+    names = sorted(MODULES)
+    script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    done = subprocess.run([sys.executable, "-c", script, *names], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
