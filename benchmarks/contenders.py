@@ -20,6 +20,7 @@ from helpers.batches import ResumableBatches
 from helpers.model import build_model
 from helpers.runtime import keep_freed_memory
 from helpers.config import build_config
+from helpers.hf_trainer import matching_arguments
 from helpers.runtime import detect
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
@@ -258,16 +259,11 @@ class HFTrainer:
 
 
 def hf_arguments(config: dict, s: Setup, out: Path, compile: bool = False):
-    """TrainingArguments that agree with the DeepSpeed config (HF refuses a config whose values differ
-    from its arguments), read from the config so the two cannot drift apart."""
+    """TrainingArguments that agree with the DeepSpeed config (helpers.hf_trainer.matching_arguments), plus
+    the benchmark's own: this device, seed, a log line per step, no saving."""
     from transformers import TrainingArguments
-    opt, sched = config["optimizer"]["params"], config["scheduler"]["params"]
     return TrainingArguments(
-        output_dir=str(out), deepspeed=config, per_device_train_batch_size=config["train_micro_batch_size_per_gpu"],
-        gradient_accumulation_steps=config["gradient_accumulation_steps"], max_steps=sched["total_num_steps"],
-        learning_rate=opt["lr"], adam_beta1=opt["betas"][0], adam_beta2=opt["betas"][1], adam_epsilon=opt["eps"],
-        weight_decay=opt["weight_decay"], max_grad_norm=config["gradient_clipping"],
-        warmup_steps=sched["warmup_num_steps"], bf16=config.get("bf16", {}).get("enabled", False),
+        output_dir=str(out), deepspeed=config, **matching_arguments(config),
         use_cpu=s.device == "cpu", seed=s.seed, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, dataloader_pin_memory=False, torch_compile=compile)
 

@@ -15,6 +15,7 @@ import os
 import pickle
 from pathlib import Path
 
+from .config import zero_stage_of
 from .precision import precision_of
 
 
@@ -49,20 +50,6 @@ def write_latest(directory: Path, tag: str) -> None:
     os.replace(tmp, directory / "latest")
 
 
-def expected_files(zero_stage: int, world_size: int) -> list[str]:
-    """File-name endings a complete DeepSpeed checkpoint has (one mp rank): the module states, and at
-    ZeRO >= 1 one optimizer partition per data-parallel rank (prefixed `bf16_` in bf16)."""
-    files = ["mp_rank_00_model_states.pt"]
-    if zero_stage >= 1:
-        files += [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)]
-    return files
-
-
-def missing_files(tag_dir: Path, zero_stage: int, world_size: int) -> list[str]:
-    names = [p.name for p in tag_dir.iterdir()] if tag_dir.is_dir() else []
-    return [f for f in expected_files(zero_stage, world_size) if not any(n.endswith(f) for n in names)]
-
-
 def find_checkpoint(directory: str | Path, zero_stage: int | None = None, world_size: int = 1) -> Path:
     """The checkpoint directory `latest` points to (or `directory` itself, when it is one, e.g. the output
     of ds_to_universal), checked for completeness when zero_stage is given; a clear error otherwise."""
@@ -88,7 +75,13 @@ def find_checkpoint(directory: str | Path, zero_stage: int | None = None, world_
 
 
 def check_complete(tag_dir: Path, zero_stage: int, world_size: int) -> None:
-    missing = missing_files(tag_dir, zero_stage, world_size)
+    """A complete DeepSpeed checkpoint (one mp rank) has the module states and, at ZeRO >= 1, one optimizer
+    partition per data-parallel rank (file names prefixed `bf16_` in bf16: matched by their endings)."""
+    expected = ["mp_rank_00_model_states.pt"]
+    if zero_stage >= 1:
+        expected += [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)]
+    names = [p.name for p in tag_dir.iterdir()] if tag_dir.is_dir() else []
+    missing = [f for f in expected if not any(n.endswith(f) for n in names)]
     if missing:
         raise CheckpointNotFoundError(f"checkpoint {tag_dir} is incomplete, missing {missing}: it was not fully "
                                       f"written; resume from another tag (available: {available_tags(tag_dir.parent)})")
@@ -107,13 +100,20 @@ def saved_settings(tag_dir: Path) -> dict:
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise unreadable(tag_dir, err) from err
     config = state["ds_config"]
-    saved = {"zero stage": config.get("zero_optimization", {}).get("stage", 0), "world size": state["dp_world_size"],
+    saved = {"zero stage": zero_stage_of(config), "world size": state["dp_world_size"],
              "precision": precision_of(config),
              "shapes": parameter_shapes(state), "universal": (tag_dir / "zero").is_dir(),
              "batches": state.get("batches")}   # the trainer's data position (client_state)
     if not saved["universal"]:
         check_complete(tag_dir, saved["zero stage"], saved["world size"])
     return saved
+
+
+def run_settings(module, config: dict, world_size: int) -> dict:
+    """This run's side of check_settings (under ZeRO 3 a parameter's own shape is its partition's)."""
+    return {"zero stage": zero_stage_of(config), "world size": world_size, "precision": precision_of(config),
+            "universal": (config.get("checkpoint") or {}).get("load_universal", False),
+            "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}}
 
 
 def parameter_shapes(state: dict) -> dict:

@@ -111,6 +111,11 @@ def micro_batch_of(config: dict, world_size: int = 1) -> int:
     return total // (accum * world_size)
 
 
+def zero_stage_of(config: dict) -> int:
+    """The ZeRO stage a config asks for (DeepSpeed's default: 0)."""
+    return (config.get("zero_optimization") or {}).get("stage", 0)
+
+
 def validate(config: dict, *, device: str, world_size: int = 1, capability: tuple | None = None) -> dict:
     """Raise ConfigError naming the key path if DeepSpeed would reject, misread or later fail on `config`.
 

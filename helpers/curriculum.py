@@ -105,7 +105,7 @@ def heldout_row_losses(engine, heldout: torch.Tensor) -> torch.Tensor:
     return losses.mean(1).cpu()
 
 
-def datasets(schedule: dict, steps: int, tokens_per_step: int, seq_len: int, heldout_rows: int = 64, seed: int = 0):
+def train_and_heldout(schedule: dict, steps: int, tokens_per_step: int, seq_len: int, heldout_rows: int = 64, seed: int = 0):
     """(training rows, enough for the hungrier run without repeats; held-out sequences from the same chain).
 
     Fails before any training when a length of the schedule does not divide tokens_per_step."""

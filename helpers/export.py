@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from helpers.config import zero_stage_of
 from helpers.trainer import find_checkpoint
 
 
@@ -38,7 +39,7 @@ def fp32_state_dict(checkpoint_dir: str | Path, tag: str | None = None) -> dict[
     # stage into the same directory and step leaves the other stage's files beside the new ones.
     newest = max(model_files, key=lambda p: p.stat().st_mtime_ns)
     state = torch.load(newest, map_location="cpu", weights_only=False)
-    if state["ds_config"].get("zero_optimization", {}).get("stage", 0) > 0:
+    if zero_stage_of(state["ds_config"]) > 0:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):   # progress lines, a tqdm bar
             return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     return {name: t.float() if t.is_floating_point() else t for name, t in state["module"].items()}

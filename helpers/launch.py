@@ -88,15 +88,16 @@ def flags(options: dict) -> list[str]:
 
 
 def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: float = 600,
-                launcher: str = "torchrun", **options) -> list[dict]:
+                launcher: str = "torchrun", like_ranks: int | None = None, **options) -> list[dict]:
     """Run helpers/programs/<program>.py on n_ranks with `options` as its flags; each rank's result, by rank.
 
     The options go through the program's own argument parser (and its `check_options(args, n_ranks)`,
     where it has one) here first, so a typo or a value DeepSpeed would refuse mid-launch fails before
-    any process starts, naming the option.
+    any process starts, naming the option. `like_ranks`: place the ranks (device, threads) as a launch of
+    that many would, e.g. a one-rank reference run beside a 2-rank one.
     """
     module, args = checked_flags(program, n_ranks, launcher, out_dir, options)
-    return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher)
+    return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher, like_ranks=like_ranks)
 
 
 def checked_flags(program: str, n_ranks: int, launcher: str, out_dir, options: dict) -> tuple[str, list[str]]:
@@ -122,7 +123,7 @@ def per_run(ranks: list[dict], runs: str, label: str) -> dict:
 
 
 def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir: str | Path,
-           timeout: float = 600, launcher: str = "torchrun") -> list[dict]:
+           timeout: float = 600, launcher: str = "torchrun", like_ranks: int | None = None) -> list[dict]:
     """Run `python -m module --out OUT_DIR *args` on n_ranks local processes; return each rank's result dict, ordered by rank.
 
     Each rank gets its own GPU when there are at least n_ranks of them; otherwise every rank runs on
@@ -136,7 +137,7 @@ def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir:
     out = fresh_out_dir(out_dir)
     port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it
     cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]
-    returncode = _run(cmd, child_env(n_ranks), out / "logs" / "launcher.log", timeout)
+    returncode = _run(cmd, child_env(like_ranks or n_ranks), out / "logs" / "launcher.log", timeout)
     _raise_if_failed(returncode, out, n_ranks, launcher, timeout)
     return read_results(out, n_ranks)
 

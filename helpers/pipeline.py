@@ -4,15 +4,13 @@ side (the bubble, DeepSpeed's 1F1B schedule, timing what an engine runs) is help
 """
 from __future__ import annotations
 
-import os
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
-from helpers.launch import gpu_count, per_run, run_program
+from helpers.launch import per_run, run_program
 from helpers.model import gpt2_block_param_count
-from helpers.runtime import environment
 
 STAGES = 2   # helpers/programs/pipeline.py cuts the model in two (one stage per rank)
 
@@ -41,35 +39,22 @@ def stage_param_formula(specs: list, parts: list[int], per_layer: list[int]) -> 
     return counts
 
 
-def run(micro_batches=(1, 2, 4, 8), out_dir=".", unsplit: bool = True, timeout: float = 600, **options) -> dict:
-    """Train the 2-stage pipeline for each m (one launch) and, if unsplit, the whole model on one rank.
+def run(micro_batches=(1, 2, 4, 8), out_dir=".", timeout: float = 600, **options) -> dict:
+    """Train the 2-stage pipeline for each m (one launch), and the whole model on one rank for each m.
 
     options: the program's flags, e.g. steps=8, micro_batch=4, grad_clip=1.0, zero_stage=1.
-    Returns {"pipeline": {m: [stage 0 result, stage 1 result]}, "unsplit": {m: result} or None,
+    Returns {"pipeline": {m: [stage 0 result, stage 1 result]}, "unsplit": {m: result},
     "ranks": each pipeline rank's whole result, "unsplit_rank": the unsplit rank's}.
     """
     options["micro_batches"] = tuple(micro_batches)
     ranks = run_program("pipeline", STAGES, out_dir=Path(out_dir) / "pipeline", timeout=timeout, **options)
-    results = {"pipeline": per_run(ranks, "runs", "m"), "ranks": ranks, "unsplit": None}
-    if unsplit:
-        with _same_device_as_pipeline():
-            [whole] = run_program("pipeline", 1, out_dir=Path(out_dir) / "unsplit", timeout=timeout,
-                                  unsplit=True, **options)
-        if whole["data_sha1"] != ranks[0]["data_sha1"]:
-            raise RuntimeError("the unsplit run read different token ids than the pipeline: compare the seeds")
-        results["unsplit"] = {m: whole["runs"][i] for i, m in enumerate(micro_batches)}
-        results["unsplit_rank"] = whole
-    return results
-
-
-def _same_device_as_pipeline():
-    """Two ranks need two GPUs, else the launch runs them on the CPU with one thread share each. Run the
-    one-rank reference the same way, so device or thread count cannot explain a loss difference."""
-    if gpu_count() >= STAGES:
-        return environment()
-    threads = str(max(1, (os.cpu_count() or 1) // STAGES))
-    return environment(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
-                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
+    # the unsplit run placed as the 2 ranks are (device, threads): neither can explain a loss difference
+    [whole] = run_program("pipeline", 1, out_dir=Path(out_dir) / "unsplit", timeout=timeout, like_ranks=STAGES,
+                          unsplit=True, **options)
+    if whole["data_sha1"] != ranks[0]["data_sha1"]:
+        raise RuntimeError("the unsplit run read different token ids than the pipeline: compare the seeds")
+    return {"pipeline": per_run(ranks, "runs", "m"), "ranks": ranks, "unsplit_rank": whole,
+            "unsplit": {m: whole["runs"][i] for i, m in enumerate(micro_batches)}}
 
 
 def partition_rows(results: dict) -> list[dict]:

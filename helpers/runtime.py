@@ -1,5 +1,5 @@
-"""What hardware we are on (with the precision helpers.precision picks for it), and the distributed setup a
-notebook needs."""
+"""What hardware we are on (with the precision helpers.precision picks for it), the distributed setup a
+notebook needs, run directories, and glibc's malloc told to keep what a CPU training step frees."""
 from __future__ import annotations
 
 import contextlib
@@ -169,50 +169,6 @@ def silenced_stderr():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-@contextlib.contextmanager
-def environment(**values: str):
-    """Set environment variables for the duration of a block, then put back what was there before."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def compare_adamw(module: torch.nn.Module, variants: dict[str, dict], repeats: int = 20) -> list[dict]:
-    """torch.optim.AdamW built with each variant's options (e.g. {"fused": True}) on copies of `module`'s
-    parameters, all given the same random gradients: the median milliseconds per step, and how far each
-    variant's parameters end up from the first variant's after the same steps (float rounding only,
-    if they compute the same update). The module itself is left untouched."""
-    import statistics
-    import time
-    gen = torch.Generator().manual_seed(0)   # its own generator: the global RNG stays as it was
-    grads = [torch.randn(p.shape, generator=gen).to(p) for p in module.parameters()]
-    rows, reference = [], None
-    for name, options in variants.items():
-        params = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt = torch.optim.AdamW(params, **{"lr": 1e-3, **options})
-        times = []
-        for _ in range(repeats + 1):   # the first step allocates Adam's state: not timed
-            start = time.perf_counter()
-            opt.step()
-            if params[0].is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        reference = reference or params
-        diff = max((a - b).abs().max().item() for a, b in zip(params, reference))
-        rows.append({"optimizer": name, "ms per step": 1e3 * statistics.median(times[1:]),
-                     "max |Δparam| vs first": diff})
-    return rows
 
 
 def run_dir(name: str) -> Path:

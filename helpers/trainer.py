@@ -93,7 +93,7 @@ class AdvancedDeepSpeedTrainer:
         if self.gradient_checkpointing:
             enable_checkpointing(model)
         if resume_dir is not None:   # a checkpoint of another shape is refused before the engine exists
-            checkpoints.check_settings(resume_dir, saved, self._settings(model, self.config))
+            checkpoints.check_settings(resume_dir, saved, checkpoints.run_settings(model, self.config, world_size()))
         engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=model.parameters())
         undo_optimizer_init_step(engine)
         if self.compile:   # torch.compile of engine.module in place: the first step then compiles (slow, once)
@@ -231,18 +231,11 @@ class AdvancedDeepSpeedTrainer:
         settings (`saved`, read here when not given) are checked against this run's."""
         tag_dir = find_checkpoint(directory) if tag is None else Path(directory) / tag
         saved = saved or checkpoints.saved_settings(tag_dir)
-        checkpoints.check_settings(tag_dir, saved, self._settings(self.engine.module, self.config))
+        checkpoints.check_settings(tag_dir, saved, checkpoints.run_settings(self.engine.module, self.config,
+                                                                                world_size()))
         self.batches.load_state_dict(saved["batches"])   # also before the engine loads: it may refuse the position
         self.history = list(checkpoints.load(self.engine, tag_dir)["history"])
         return tag_dir
-
-    @staticmethod
-    def _settings(module, config: dict) -> dict:
-        """This run's side of checkpoints.check_settings (under ZeRO 3 a parameter's own shape is its partition's)."""
-        return {"zero stage": (config.get("zero_optimization") or {}).get("stage", 0), "world size": world_size(),
-                "precision": precision_of(config),
-                "universal": (config.get("checkpoint") or {}).get("load_universal", False),
-                "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}}
 
     @torch.compiler.set_stance("force_eager")   # every new length would compile again
     def generate(self, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:

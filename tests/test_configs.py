@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from helpers import presets
+from helpers import hf_trainer, presets
 from helpers.config import ConfigError, validate
 from helpers.runtime import init_single_process
 
@@ -158,8 +158,8 @@ def hf_global_state_restored():
 @pytest.fixture
 def hf_trainer_factory(data, tmp_path, hf_global_state_restored):
     """Builds HF Trainers that stop after 2 steps (the file's 300-step schedule unchanged)."""
-    return lambda name, **overrides: presets.hf_trainer(path_of(name), tiny_gpt2(data), data, tmp_path / name,
-                                                        stop_after=2, disable_tqdm=True, logging_steps=1, **overrides)
+    return lambda name, **overrides: hf_trainer.hf_trainer(path_of(name), tiny_gpt2(data), data, tmp_path / name,
+                                                           stop_after=2, disable_tqdm=True, logging_steps=1, **overrides)
 
 
 @pytest.mark.parametrize("name", RUNNABLE_ON_CPU)
@@ -177,7 +177,7 @@ def test_hf_trainer_trains_with_each_file_as_is(name, hf_trainer_factory):
 def test_hf_trainer_accepts_fp16_file_settings(data, hf_global_state_restored):
     """fp16 needs a GPU to train; HF's own cross-check of file against TrainingArguments runs anywhere."""
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-    args = presets.training_arguments(path_of("fp16"), "unused", fp16=False)   # HF refuses fp16=True without a GPU
+    args = hf_trainer.training_arguments(path_of("fp16"), "unused", fp16=False)   # HF refuses fp16=True without a GPU
     args.fp16 = True                                                           # ... so say it afterwards
     hf_config = HfTrainerDeepSpeedConfig(str(path_of("fp16")))
     hf_config.trainer_config_process(args)

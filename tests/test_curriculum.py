@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from helpers.curriculum import (check_schedule, datasets, lengths_over_steps, make_scheduler, rows_per_step,
+from helpers.curriculum import (check_schedule, lengths_over_steps, make_scheduler, rows_per_step, train_and_heldout,
                                 tokens_to_reach, truncate, verdict)
 
 
@@ -85,12 +85,12 @@ def test_token_budget_that_does_not_split_is_refused():
     with pytest.raises(ValueError, match="tokens_per_step=100"):
         rows_per_step(100, 16)
     with pytest.raises(ValueError, match="tokens_per_step=200"):   # 48 does not divide it: caught before training
-        datasets(check_schedule(seqlen_schedule(16, 64, 2)), steps=4, tokens_per_step=200, seq_len=64)
+        train_and_heldout(check_schedule(seqlen_schedule(16, 64, 2)), steps=4, tokens_per_step=200, seq_len=64)
 
 
 def test_data_covers_the_hungrier_run_and_the_heldout_rows_are_new():
     schedule = seqlen_schedule(16, 64, total_curriculum_step=4, difficulty_step=16)   # 16, 32, 48, 64, 64, 64
-    data, heldout = datasets(schedule, steps=6, tokens_per_step=192, seq_len=64, heldout_rows=8)
+    data, heldout = train_and_heldout(schedule, steps=6, tokens_per_step=192, seq_len=64, heldout_rows=8)
     assert len(data) == 12 + 6 + 4 + 3 + 3 + 3   # the curriculum run's rows (the baseline needs 6 x 3)
     assert heldout.shape == (8, 64)
     train_rows = {tuple(data[i]["input_ids"].tolist()) for i in range(len(data))}

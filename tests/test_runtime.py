@@ -83,21 +83,6 @@ def test_single_process_env_fills_only_what_is_missing():
     assert got["second"] == first                      # a re-run changes nothing, the port included
 
 
-def test_compare_adamw_times_each_variant_on_the_same_gradients_and_leaves_the_module_alone():
-    import torch
-
-    from helpers.runtime import compare_adamw
-    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    before = [p.detach().clone() for p in module.parameters()]
-    rows = compare_adamw(module, {"default": {}, "fused": {"fused": True}, "lr 10x": {"lr": 1e-2}}, repeats=3)
-    assert [r["optimizer"] for r in rows] == ["default", "fused", "lr 10x"]
-    assert all(r["ms per step"] > 0 for r in rows)
-    assert rows[0]["max |Δparam| vs first"] == 0
-    assert rows[1]["max |Δparam| vs first"] < 1e-6   # the same update, float rounding apart
-    assert rows[2]["max |Δparam| vs first"] > 1e-3   # a different update shows up: the comparison can fail
-    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
-
-
 FORCED = """
 import json
 from helpers.runtime import detect
@@ -142,18 +127,6 @@ def test_the_cpu_measurement_is_taken_once_and_inherited_by_child_processes():
     child = run_fresh("import json; from helpers.precision import cpu_matmul_speeds; "
                       "print(json.dumps(cpu_matmul_speeds()))", **{MEASURED_ENV: got["inherited"]})
     assert child == got["first"]
-
-
-def test_environment_sets_variables_for_a_block_and_restores_them():
-    from helpers.runtime import environment
-    os.environ.pop("TUTORIAL_TEST_UNSET", None)
-    os.environ["TUTORIAL_TEST_SET"] = "before"
-    try:
-        with environment(TUTORIAL_TEST_UNSET="a", TUTORIAL_TEST_SET="b"):
-            assert os.environ["TUTORIAL_TEST_UNSET"] == "a" and os.environ["TUTORIAL_TEST_SET"] == "b"
-        assert "TUTORIAL_TEST_UNSET" not in os.environ and os.environ["TUTORIAL_TEST_SET"] == "before"
-    finally:
-        os.environ.pop("TUTORIAL_TEST_SET", None)
 
 
 @pytest.mark.parametrize("value", ["fp32=0.3", "fp32=a,bf16=1", "nonsense"])
