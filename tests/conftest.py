@@ -110,18 +110,17 @@ def restore_distributed_env():
             os.environ[key] = value
 
 
-FILE_SECONDS = defaultdict(float)   # test file -> seconds of its set-up, calls and tear-down
-
-
-def pytest_runtest_logreport(report):
-    FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration
-
-
 def pytest_terminal_summary(terminalreporter):
-    """Where CI's time goes, per test file (its budget: 40 minutes on a quiet 2-core box)."""
-    if not FILE_SECONDS:
+    """Where CI's time goes, per test file and notebook (its budget: 40 minutes on a quiet 2-core box). Read
+    from the terminal's own reports: a hook here would see only the items under tests/, not the notebooks."""
+    seconds = defaultdict(float)   # file -> seconds of its set-ups, calls and tear-downs
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                seconds[report.nodeid.split("::")[0]] += report.duration
+    if not seconds:
         return
     terminalreporter.section("seconds per test file")
-    for path, seconds in sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1]):
-        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
-    terminalreporter.write_line(f"{sum(FILE_SECONDS.values()):8.1f}  in all")
+    for path, total in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{total:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(seconds.values()):8.1f}  in all")
