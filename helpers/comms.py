@@ -8,9 +8,6 @@ algorithms NCCL and gloo use (the same factors as DeepSpeed's own bus-bandwidth 
     reduce_scatter of M bytes      M (N-1)/N
     all_gather of an m-byte shard  m (N-1)
     reduce / broadcast of M bytes  M (N-1)/N
-The ZeRO paper (Sec. 7) counts the same way: plain data parallelism moves 2Ψ per step (one all-reduce
-of the gradients), stages 1 and 2 also 2Ψ (reduce-scatter Ψ + all-gather Ψ), stage 3 3Ψ (parameters
-all-gathered in forward and again in backward, gradients reduce-scattered): 1.5x.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""DeepSpeed config dicts from a few readable arguments, checked before `deepspeed.initialize`.
-
-`build_config` writes the same JSON the `deepspeed` launcher and HF `Trainer(deepspeed=...)` read;
-`validate` catches the mistakes that otherwise surface as a stack trace deep inside DeepSpeed
-(or, worse, as a silently different run), and names the field to fix.
-"""
+"""DeepSpeed config dicts from a few readable arguments (`build_config`), and `validate`: the mistakes
+that otherwise surface as a stack trace inside DeepSpeed, or a silently different run, named by key."""
 from __future__ import annotations
 
 import json
@@ -39,19 +35,6 @@ def zero_block(stage: int, offload_optimizer: bool, offload_param: bool, extra: 
     return block
 
 
-def one_rank_cpu_zero(zero_stage: int) -> dict:
-    """ZeRO settings for one rank on a CPU, where no gradient is exchanged.
-
-    With contiguous_gradients (DeepSpeed's default) ZeRO 1/2 allocate a fresh reduce bucket of
-    reduce_bucket_size elements (5e8, 2 GB in fp32) in every backward, copy each gradient into it and free
-    it afterwards (DeepSpeedZeroOptimizer.setup_buckets, stage_1_and_2.py). A GPU's caching allocator
-    hands the same block back; on a CPU it is a fresh memory mapping whose pages fault in again each
-    step, plus a copy of every gradient: ~15 ms a step for a 4.3M-param model here, for a bucket that
-    only pays off when gradients are exchanged (and a GPU's allocator fragments without it).
-    """
-    return {"contiguous_gradients": False} if zero_stage in (1, 2) else {}
-
-
 def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int = 1,
                  zero_stage: int = 0, precision: str = "fp32", lr: float = 1e-3,
                  weight_decay: float = 0.01, warmup_steps: int = 10, total_steps: int = 100,
@@ -60,24 +43,18 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
                  job_name: str = "run", device: str = "cuda", extra: dict | None = None) -> dict:
     """A complete DeepSpeed config: ZeRO stage, precision, AdamW with warmup then linear decay.
 
-    torch_adam comes with `fused`, which DeepSpeed passes on to torch.optim.AdamW: one kernel per tensor
-    (on a GPU and a CPU) instead of a dozen elementwise passes, ~10x faster here, the same update up to
-    float rounding (measured: benchmarks/trainer_vs_plain.py).
-    device="cpu" adds the CPU settings the trainer's runs use: torch_adam unless the optimizer is offloaded
-    (to DeepSpeedCPUAdam), and on one rank ZeRO 1/2 without the contiguous gradient bucket (`one_rank_cpu_zero`).
-    zero_extra and extra win over both.
-
-    torch_adam=True makes DeepSpeed use torch.optim.AdamW instead of its FusedAdam op. On a CPU we
-    want that: FusedAdam's CPU kernel rounds differently depending on where tensors sit in memory,
-    so a run resumed from a checkpoint drifts from the straight run by a few float32 ulps, while
-    torch's AdamW resumes bitwise identically.
-    zero_extra: more zero_optimization keys, e.g. {"reduce_bucket_size": ...} for small models.
-    extra: more top-level keys, e.g. {"communication_data_type": "bf16"}; they win over the defaults.
+    device="cpu" adds the CPU settings the trainer's runs use (zero_extra and extra, top-level keys, win):
+    - torch_adam (torch.optim.AdamW, with `fused`: one kernel per tensor, ~10x DeepSpeed's CPU FusedAdam
+      here) unless the optimizer is offloaded to DeepSpeedCPUAdam. FusedAdam's CPU kernel rounds by where
+      tensors sit in memory, so a resumed run drifts by a few ulps; torch's AdamW resumes bitwise.
+    - on one rank, ZeRO 1/2 without contiguous_gradients: its reduce bucket (5e8 elements) is allocated
+      fresh every backward (DeepSpeedZeroOptimizer.setup_buckets), a new memory mapping on a CPU whose
+      pages fault in each step (~15 ms for 4.3M params), for gradients no other rank waits for.
     """
     on_cpu = device == "cpu"
     torch_adam = (on_cpu and not offload_optimizer) if torch_adam is None else torch_adam
-    if on_cpu and world_size == 1:
-        zero_extra = {**one_rank_cpu_zero(zero_stage), **(zero_extra or {})}
+    if on_cpu and world_size == 1 and zero_stage in (1, 2):
+        zero_extra = {"contiguous_gradients": False, **(zero_extra or {})}
     config = {
         "train_batch_size": micro_batch * grad_accum * world_size,
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -85,7 +62,7 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
         "gradient_clipping": grad_clip,
         "optimizer": {"type": "AdamW", "params": {
             "lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": weight_decay,
-            **({"torch_adam": True} if torch_adam else {}), **({"fused": True} if torch_adam else {})}},
+            **({"torch_adam": True, "fused": True} if torch_adam else {})}},
         # WarmupDecayLR: linear warmup to lr over warmup_steps, then linear decay to 0 at total_steps.
         "scheduler": {"type": "WarmupDecayLR", "params": {
             "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup_steps,
@@ -117,13 +94,9 @@ def zero_stage_of(config: dict) -> int:
 
 
 def validate(config: dict, *, device: str, world_size: int = 1, capability: tuple | None = None) -> dict:
-    """Raise ConfigError naming the key path if DeepSpeed would reject, misread or later fail on `config`.
-
-    Runs before any model or engine exists. DeepSpeed's own rules do most of the work: its pydantic
-    models of the config blocks, the keys and defaults its config parser reads, the signatures of its
-    optimizers and LR schedules, and finally its DeepSpeedConfig class itself (helpers.schema).
-    capability: a CUDA GPU's compute capability, e.g. (7, 5) for a T4, where bf16 is refused.
-    """
+    """Raise ConfigError naming the key path if DeepSpeed would reject, misread or later fail on `config`,
+    before any model exists: our rules here, then DeepSpeed's own (helpers.schema). capability: a CUDA
+    GPU's compute capability, e.g. (7, 5) for a T4, where bf16 is refused."""
     if not isinstance(config, dict):
         raise ConfigError(f"a DeepSpeed config is a JSON object (a dict), got {type(config).__name__} {config!r}")
     check_removed_keys(config)
@@ -179,11 +152,9 @@ def check_batch_sizes(config: dict, world_size: int) -> None:
 
 
 def check_zero(zero: dict, device: str) -> None:
-    """Rules DeepSpeed's ZeRO model does not hold: our code reads `stage` as written (so "2" or true will
-    not do), offload needs a stage that partitions, and nvme offload a path (else it fails at the first step)."""
+    """Rules DeepSpeed's ZeRO model does not hold (its model, in check_blocks, already checked the stage):
+    offload needs a stage that partitions, and nvme offload a path (else it fails at the first step)."""
     stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in ZERO_STAGES:
-        raise ConfigError(f"zero_optimization.stage={stage!r} is not a ZeRO stage: use one of {ZERO_STAGES}")
     if "offload_optimizer" in zero and stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)")
     if "offload_param" in zero and stage != 3:
@@ -241,8 +212,7 @@ def save_json(config: dict, path: str | Path) -> Path:
 
 
 def load_json(path: str | Path) -> dict:
-    """A config file as a dict; a missing, empty, unreadable or malformed file is a ConfigError naming
-    the file (and the line and column of a JSON mistake)."""
+    """A config file as a dict; a missing, empty, unreadable or malformed one is a ConfigError naming it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))

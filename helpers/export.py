@@ -1,11 +1,5 @@
-"""Interop: a DeepSpeed checkpoint as a Hugging Face model directory, and the TensorBoard logs.
-
-A DeepSpeed checkpoint is not a model file: at ZeRO 1-3 the fp32 master weights are split across
-one optimizer file per rank. `export_hf` puts them back together with DeepSpeed's own
-`zero_to_fp32` and writes a directory that `AutoModelForCausalLM.from_pretrained` and
-`pipeline("text-generation")` load, with the project's tokenizer beside the weights.
-
-From a shell, for a checkpoint written by `python -m helpers.programs.train`:
+"""A DeepSpeed checkpoint as a Hugging Face model directory (DeepSpeed's own `zero_to_fp32` merges the ranks'
+fp32 partitions), and the TensorBoard logs. From a shell, for a checkpoint of `python -m helpers.programs.train`:
     python -m helpers.export runs/train/zero3/checkpoints runs/train/zero3/hf
 """
 from __future__ import annotations
@@ -22,14 +16,9 @@ from helpers.trainer import find_checkpoint
 
 
 def fp32_state_dict(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """The whole model's weights from a checkpoint of any ZeRO stage, as fp32 CPU tensors.
-
-    checkpoint_dir: the directory given to save_checkpoint (tag None: the one `latest` names).
-    ZeRO 1-3 keep fp32 master weights partitioned in *_optim_states.pt, one per rank: DeepSpeed's
-    zero_to_fp32 merges them. ZeRO-0 has no partitions: the module's own weights are whole in
-    mp_rank_00_model_states.pt (in bf16/fp16 runs these are the 16-bit weights the engine computes
-    with; its fp32 masters live only inside the optimizer's state).
-    """
+    """The whole model's weights, as fp32 CPU tensors, from the directory given to save_checkpoint (tag None:
+    the one `latest` names). ZeRO 1-3: DeepSpeed's zero_to_fp32 merges the ranks' fp32 partitions; ZeRO-0,
+    which it does not read, keeps the module's weights whole in mp_rank_00_model_states.pt."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     tag_dir = find_checkpoint(checkpoint_dir) if tag is None else Path(checkpoint_dir) / tag
     model_files = list(tag_dir.glob("*model_states.pt"))
@@ -47,12 +36,9 @@ def fp32_state_dict(checkpoint_dir: str | Path, tag: str | None = None) -> dict[
 
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer=None, model_config=None,
               tag: str | None = None) -> Path:
-    """Write a DeepSpeed checkpoint (any ZeRO stage, any number of ranks) as a HF model directory.
-
-    tokenizer, model_config: the run's tokenizer and the model's config (`trainer.tokenizer`,
-    `trainer.engine.module.config`); None reads them from checkpoint_dir, where helpers/programs/train.py
-    saves both. Returns out_dir, ready for `from_pretrained` and `pipeline("text-generation")`.
-    """
+    """Write a DeepSpeed checkpoint (any ZeRO stage, any number of ranks) as a HF model directory, for
+    `from_pretrained` and `pipeline("text-generation")`. tokenizer, model_config: the run's (None: read from
+    checkpoint_dir, where helpers/programs/train.py saves both)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if model_config is None:
@@ -90,13 +76,9 @@ def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 @torch.no_grad()
 def max_logit_difference(hf_dir: str | Path, engine, input_ids: torch.Tensor) -> float:
-    """max |logits| difference between the exported model and the live engine on `input_ids`.
-
-    The HF model is loaded in the engine's dtype on the engine's device, so both run the same kernels on
-    the same weights (rounding the fp32 masters to bf16 gives exactly the engine's weights): a CPU and a GPU
-    kernel would round 16-bit sums differently (helpers.precision.logit_tolerance). 0.0 means identical.
-    Under ZeRO-3 with several ranks every rank must call this (the engine's forward is collective).
-    """
+    """max |logits| difference between the exported model and the live engine on `input_ids`, the HF model
+    loaded in the engine's dtype and device so both run the same kernels (0.0: identical). Under ZeRO-3 on
+    several ranks every rank must call it: the engine's forward is collective."""
     from transformers import AutoModelForCausalLM
     dtype = next(engine.module.parameters()).dtype
     with _quiet_transformers():

@@ -1,10 +1,5 @@
-"""The GPUs the tutorial plans for: memory, compute capability, the host RAM beside them, peak throughput.
-
-One table for the what-fits planner (notebook 05), the device matrix (tests/test_device_matrix.py, the README's
-"What each path needs") and the Colab time estimate. `runtime_for` gives the `Runtime` that
-helpers.runtime.detect() returns on such a GPU, so every config and size a notebook derives from `rt` can be
-built for it on a CPU. Pure data: no torch import.
-"""
+"""The GPUs the tutorial plans for (memory, compute capability, host RAM, peak throughput), for the planner,
+the device matrix and the Colab estimate; `runtime_for` gives the `Runtime` detect() returns on one. No torch."""
 from __future__ import annotations
 
 from .precision import gpu_has_bf16   # noqa: F401 (the rule's home is helpers.precision; public here too)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from helpers.precision import precision_of
 from helpers.presets import resolve
 
 
@@ -18,17 +19,13 @@ def matching_arguments(config: dict) -> dict:
                 max_grad_norm=config["gradient_clipping"], learning_rate=params["lr"],
                 adam_beta1=params["betas"][0], adam_beta2=params["betas"][1], adam_epsilon=params["eps"],
                 weight_decay=params["weight_decay"], max_steps=schedule["total_num_steps"],
-                warmup_steps=schedule["warmup_num_steps"], bf16=config.get("bf16", {}).get("enabled", False),
-                fp16=config.get("fp16", {}).get("enabled", False))
+                warmup_steps=schedule["warmup_num_steps"],
+                **{name: precision_of(config) == name for name in ("bf16", "fp16")})
 
 
 def training_arguments(config_path: str | Path, output_dir: str | Path, **overrides):
-    """HF `TrainingArguments` that agree with a DeepSpeed config file, for `Trainer(args=...)`.
-
-    HF Trainer compares batch size, accumulation, clipping, AdamW settings, the LR schedule and the
-    precision in the file with its own arguments and refuses any mismatch; this reads them from the
-    file so they match. `overrides` go to TrainingArguments as well (e.g. logging_steps=1).
-    """
+    """HF `TrainingArguments` that agree with a DeepSpeed config file (`matching_arguments`), for
+    `Trainer(args=...)`; `overrides` go to TrainingArguments as well (e.g. logging_steps=1)."""
     import torch
     from transformers import TrainingArguments
     config_path = resolve(config_path)
@@ -38,18 +35,14 @@ def training_arguments(config_path: str | Path, output_dir: str | Path, **overri
                              save_strategy="no", use_cpu=not torch.cuda.is_available(), **{**matching, **overrides})
 
 
-def hf_trainer(config_path: str | Path, model, data, output_dir: str | Path, stop_after: int | None = None,
-               **overrides):
-    """A HF `Trainer` that trains `model` on `data` (a SyntheticTextDataset) with the config file as it is.
-
-    stop_after: end after this many optimizer steps. HF refuses a max_steps that differs from the
-    file's total_num_steps, so a short run keeps the file's schedule and is stopped by a callback.
-    """
+def hf_trainer(config_path: str | Path, model, data, output_dir: str | Path, stop_after: int, **overrides):
+    """A HF `Trainer` that trains `model` on `data` with the config file as it is, for `stop_after` steps:
+    HF refuses a max_steps other than the file's total_num_steps, so a callback stops it."""
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback
 
     class StopAfter(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = stop_after is not None and state.global_step >= stop_after
+            control.should_training_stop = state.global_step >= stop_after
 
     # disable_tqdm: HF's notebook progress bar is an HTML display a saved notebook keeps at its first frame.
     args = training_arguments(config_path, output_dir, **{"disable_tqdm": True, **overrides})

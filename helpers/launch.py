@@ -1,13 +1,10 @@
 """Show a rank program, run it on N local ranks, and get each rank's result back as data.
 
-A notebook process can be only one rank, so multi-rank experiments (ZeRO partitioning, pipeline,
-MoE) are the scripts in helpers/programs/, run as `python -m helpers.programs.<name> --out OUT_DIR ...`
-under a launcher. `show` prints a program (or the parts a section is about) before a notebook runs
-it; `run_program` turns keyword options into its flags (the one place that does), checks them with
-the program's own parser before any process starts, and launches it. Each rank calls
-`write_result`; `launch` waits, then returns the results ordered by rank, or raises
-`RankFailedError` carrying the failing rank's own log. Per-rank logs stay in OUT_DIR/logs; the
-launcher's own output is in OUT_DIR/logs/launcher.log.
+A notebook process can be only one rank, so multi-rank experiments are the scripts in helpers/programs/,
+run under a launcher. `run_program` turns keyword options into the program's flags (the one place that
+does) and checks them with its own parser before any process starts; each rank calls `write_result`;
+`launch` returns the results by rank, or raises `RankFailedError` with the failing rank's log
+(per-rank logs in OUT_DIR/logs).
 """
 from __future__ import annotations
 
@@ -74,7 +71,7 @@ def show(program: str, *names: str) -> None:
 
 def flags(options: dict) -> list[str]:
     """Keyword options -> a program's flags: steps=8 -> --steps=8, micro_batches=(1, 2) -> --micro-batches 1 2,
-    skip_dense=True -> --skip-dense, False or None -> left out (the program's default)."""
+    offload_optimizer=True -> --offload-optimizer, False or None -> left out (the program's default)."""
     args = []
     for key, value in options.items():
         flag = f"--{key.replace('_', '-')}"
@@ -89,13 +86,9 @@ def flags(options: dict) -> list[str]:
 
 def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: float = 600,
                 launcher: str = "torchrun", like_ranks: int | None = None, **options) -> list[dict]:
-    """Run helpers/programs/<program>.py on n_ranks with `options` as its flags; each rank's result, by rank.
-
-    The options go through the program's own argument parser (and its `check_options(args, n_ranks)`,
-    where it has one) here first, so a typo or a value DeepSpeed would refuse mid-launch fails before
-    any process starts, naming the option. `like_ranks`: place the ranks (device, threads) as a launch of
-    that many would, e.g. a one-rank reference run beside a 2-rank one.
-    """
+    """Run helpers/programs/<program>.py on n_ranks with `options` as its flags (`checked_flags` first);
+    each rank's result, by rank. `like_ranks`: place the ranks (device, threads) as a launch of that many
+    would, e.g. a one-rank reference run beside a 2-rank one."""
     module, args = checked_flags(program, n_ranks, launcher, out_dir, options)
     return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher, like_ranks=like_ranks)
 
@@ -124,15 +117,10 @@ def per_run(ranks: list[dict], runs: str, label: str) -> dict:
 
 def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir: str | Path,
            timeout: float = 600, launcher: str = "torchrun", like_ranks: int | None = None) -> list[dict]:
-    """Run `python -m module --out OUT_DIR *args` on n_ranks local processes; return each rank's result dict, ordered by rank.
-
-    Each rank gets its own GPU when there are at least n_ranks of them; otherwise every rank runs on
-    the CPU with gloo (a single Colab GPU cannot host two ranks).
-    launcher="torchrun" uses `torch.distributed.run`; launcher="deepspeed" uses DeepSpeed's own
-    launcher (`deepspeed --num_gpus N --no_local_rank`), which also works on a CPU-only machine.
-    Raises RankFailedError naming the rank that failed, with its traceback; on timeout, after
-    killing every process the launch started.
-    """
+    """Run `python -m module --out OUT_DIR *args` on n_ranks local processes under torchrun or DeepSpeed's
+    launcher; each rank's result, by rank. Each rank gets its own GPU when there are n_ranks of them, else
+    all run on the CPU with gloo. Raises RankFailedError naming the failed rank, with its traceback (on a
+    timeout, after killing every process it started)."""
     _validate(module, n_ranks, launcher)
     out = fresh_out_dir(out_dir)
     port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it

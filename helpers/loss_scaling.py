@@ -1,14 +1,5 @@
-"""Dynamic loss scaling for fp16 training (notebook 06 explains why): the rule DeepSpeed's
-`DynamicLossScaler` applies to the scale S, replayed independently of DeepSpeed:
-
-- overflow: skip the step; if the hysteresis budget is used up, halve S (never below min_scale),
-  otherwise spend one unit of hysteresis and keep S;
-- no overflow: once `scale_window` clean steps have passed since the last overflow, double S
-  (and refill the hysteresis budget); then again after every further `scale_window` clean steps.
-
-Notebook 06 drives DeepSpeed's scaler from its own mixed-precision loop on a CPU (and the fp16 engine
-on a GPU); `expected_scales` replays the rule from the overflows alone, so a check can assert DeepSpeed
-followed it.
+"""Dynamic loss scaling for fp16 (notebook 06 explains why): `expected_scales` replays the rule DeepSpeed's
+`DynamicLossScaler` applies to the scale, from the overflows alone, so a check can assert DeepSpeed followed it.
 """
 from __future__ import annotations
 

@@ -43,16 +43,9 @@ def mlp_param_count(n_embd: int, inner: int) -> int:
 
 def moe_param_counts(vocab_size: int, n_positions: int, n_layer: int, n_embd: int, num_experts: int,
                      k: int = 1, ep_size: int = 1) -> dict[str, int]:
-    """Parameter counts of `MoEGPT` from its shapes (every block's MLP an MoE layer).
-
-    body    everything but the MLPs: embeddings, attention, LayerNorms (shared by all tokens)
-    expert  one expert = one GPT-2 MLP, 8h^2 + 5h
-    gate    one layer's router, an h x E matrix without bias
-    total   body + layers x (gate + E x expert)          what the model stores
-    active  body + layers x (gate + k x expert)          what one token runs through
-    per_rank body + layers x (gate + E/ep_size x expert) what one expert-parallel rank stores
-    dense_twin  the same GPT-2 with MLPs k x 4h wide: active minus the gates and (k - 1) output biases
-    """
+    """Parameter counts of `MoEGPT` from its shapes: body (all but the MLPs, shared by all tokens), expert
+    (one GPT-2 MLP, 8h^2 + 5h), gate (h x E), and body + layers x (gate + n x expert) for n = E (total,
+    stored), k (active per token), E / ep_size (per_rank); dense_twin: the GPT-2 with MLPs k x 4h wide."""
     check_moe_args(num_experts, ep_size, k)
     expert = mlp_param_count(n_embd, GPT2_MLP_RATIO * n_embd)
     body = gpt2_param_count(vocab_size, n_positions, n_layer, n_embd) - n_layer * expert
@@ -63,7 +56,6 @@ def moe_param_counts(vocab_size: int, n_positions: int, n_layer: int, n_embd: in
 
     return {"body": body, "expert": expert, "gate": gate, "total": with_experts(num_experts),
             "active": with_experts(k), "per_rank": with_experts(num_experts // ep_size),
-            "experts_total": n_layer * num_experts * expert,
             "experts_per_rank": n_layer * num_experts // ep_size * expert,
             "dense_twin": body + n_layer * mlp_param_count(n_embd, k * GPT2_MLP_RATIO * n_embd)}
 
@@ -74,11 +66,9 @@ def moe_layers(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def count_params(model: nn.Module, k: int | None = None) -> dict[str, int]:
-    """Count the parameters this process's module really holds (no formula): DeepSpeed marks expert
-    parameters (`is_moe_param`), so they can be told from the shared ones. With k, also the
-    parameters one token runs through: every shared one plus k experts' worth in each MoE layer.
-    "local_experts" is the number of experts per MoE layer this process stores."""
+def count_params(model: nn.Module, k: int) -> dict[str, int]:
+    """The parameters this process's module really holds (no formula), expert ones told apart by DeepSpeed's
+    `is_moe_param`; active: what one token runs through (the shared ones plus k experts per MoE layer)."""
     from deepspeed.moe.utils import is_moe_param
     params = list(model.parameters())   # tied embeddings are listed once
     expert = sum(p.numel() for p in params if is_moe_param(p))
@@ -86,11 +76,9 @@ def count_params(model: nn.Module, k: int | None = None) -> dict[str, int]:
     counts = {"total": sum(p.numel() for p in params), "expert": expert,
               "shared": sum(p.numel() for p in params if not is_moe_param(p)),
               "local_experts": [layer.num_local_experts for layer in layers]}
-    if k is not None:
-        one_expert = [sum(p.numel() for p in layer.deepspeed_moe.experts.deepspeed_experts[0].parameters())
-                      for layer in layers]
-        counts["active"] = counts["shared"] + k * sum(one_expert)
-    return counts
+    one_expert = [sum(p.numel() for p in layer.deepspeed_moe.experts.deepspeed_experts[0].parameters())
+                  for layer in layers]
+    return {**counts, "active": counts["shared"] + k * sum(one_expert)}
 
 
 def capacity(tokens: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0, min_capacity: int = 4) -> int:
@@ -109,15 +97,10 @@ def dropped_tokens(exp_counts, tokens: int, k: int = 1, capacity_factor: float =
 
 # ---- tables and curves from the program's per-rank results ----
 
-def expert_load(results: list[dict], layer: int = 0) -> np.ndarray:
-    """(steps, E): tokens routed to each expert in one MoE layer at each step, summed over the ranks
-    (counted at the router, before any are dropped for lack of capacity)."""
-    return np.sum([[step["exp_counts"][layer] for step in r["moe"]["history"]] for r in results], axis=0)
-
-
 def load_fractions(results: list[dict], layer: int = 0) -> np.ndarray:
-    """(steps, E): each expert's share of the routed tokens; 1/E each when perfectly balanced."""
-    load = expert_load(results, layer)
+    """(steps, E): each expert's share of the tokens routed in one MoE layer (counted at the router, before
+    any are dropped, summed over the ranks); 1/E each when perfectly balanced."""
+    load = np.sum([[step["exp_counts"][layer] for step in r["moe"]["history"]] for r in results], axis=0)
     return load / load.sum(axis=1, keepdims=True)
 
 
@@ -132,32 +115,23 @@ def dropped_fraction(results: list[dict]) -> np.ndarray:
 
 
 def curves(results: list[dict]) -> dict[str, np.ndarray]:
-    """Per step, averaged over ranks: the MoE model's LM loss, its summed aux loss, its total loss, and
-    the dense twin's loss (absent with skip_dense)."""
+    """Per step, averaged over ranks: the MoE model's LM loss, summed aux loss and total loss, and the
+    dense twin's loss."""
     def mean(model: str, key: str) -> np.ndarray:
         return np.mean([[step[key] for step in r[model]["history"]] for r in results], axis=0)
-    out = {"step": np.arange(1, len(results[0]["moe"]["history"]) + 1), "lm_loss": mean("moe", "lm_loss"),
-           "aux_loss": mean("moe", "aux_loss"), "loss": mean("moe", "loss")}
-    if "dense" in results[0]:
-        out["dense_loss"] = mean("dense", "loss")
-    return out
+    return {"step": np.arange(1, len(results[0]["moe"]["history"]) + 1), "lm_loss": mean("moe", "lm_loss"),
+            "aux_loss": mean("moe", "aux_loss"), "loss": mean("moe", "loss"), "dense_loss": mean("dense", "loss")}
 
 
-def tokens_per_s(results: list[dict], model: str = "moe", skip_first: int = 2) -> float:
-    """Tokens per second over all ranks, from the median step. The ranks move in lockstep (every step
-    has collectives), so a step lasts as long as its slowest rank; the median shrugs off the steps
-    another process on the machine slowed down; the first steps (logging, warm-up) are left out."""
+def throughput(results: list[dict]) -> dict[str, float]:
+    """MoE vs dense twin tokens/s over all ranks, and MoE / dense, from the median step (a step lasts as long
+    as its slowest rank; the first two, logging and warm-up, left out). A measurement, not a claim."""
     s = results[0]["settings"]
-    step_s = np.max([[step["step_s"] for step in r[model]["history"]] for r in results], axis=0)[skip_first:]
-    return s["tokens_per_rank_step"] * s["world_size"] / float(np.median(step_s))
-
-
-def throughput(results: list[dict], skip_first: int = 2) -> dict[str, float]:
-    """MoE vs dense twin tokens/s, and MoE / dense. Same work per token on paper; the MoE model also
-    runs the router, pads each expert's batch to its capacity and does two all-to-alls per layer in
-    each direction. A measurement, not a claim: on a shared machine it moves from run to run."""
-    moe_rate, dense_rate = tokens_per_s(results, "moe", skip_first), tokens_per_s(results, "dense", skip_first)
-    return {"moe_tokens_per_s": moe_rate, "dense_tokens_per_s": dense_rate, "moe_over_dense": moe_rate / dense_rate}
+    rates = {}
+    for model in ("moe", "dense"):
+        step_s = np.max([[step["step_s"] for step in r[model]["history"]] for r in results], axis=0)[2:]
+        rates[f"{model}_tokens_per_s"] = s["tokens_per_rank_step"] * s["world_size"] / float(np.median(step_s))
+    return {**rates, "moe_over_dense": rates["moe_tokens_per_s"] / rates["dense_tokens_per_s"]}
 
 
 def param_rows(results: list[dict]) -> list[dict]:

@@ -1,11 +1,7 @@
-"""Your own text as training data: a text file or folder, a dataset saved with `save_to_disk`, or a
-dataset name on the Hugging Face hub (online only), tokenised and packed into rows of `seq_len` tokens.
-
+"""Your own text as training data (a text file or folder, a `save_to_disk` dataset, or a hub dataset name,
+online only), tokenised and packed into rows of `seq_len` tokens for the same trainer:
     train, held_out = load_own_text("my_notes.txt", seq_len=64)
-    trainer = AdvancedDeepSpeedTrainer(train, ds_config)   # the same trainer as the synthetic data's
-
-Every mistake in the input (a missing path, an empty or binary file, no text column, too little text)
-is a `DataError` naming the input and the fix, raised before any model or engine is built.
+Every mistake in the input is a `DataError` naming it and the fix, raised before any model is built.
 """
 from __future__ import annotations
 

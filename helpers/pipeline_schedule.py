@@ -16,7 +16,6 @@ from helpers.errors import require_positive_int
 
 # Instruction types of deepspeed.runtime.pipe.schedule, grouped by what the stage is doing.
 COMPUTE = ("ForwardPass", "BackwardPass")
-P2P = ("RecvActivation", "SendActivation", "RecvGrad", "SendGrad")
 RECEIVES = {"RecvActivation": ("SendActivation", -1), "RecvGrad": ("SendGrad", +1)}   # the send, from stage +-1
 
 
@@ -122,13 +121,9 @@ class InstructionTimer:
 
 
 def measured_bubble(stage_events: list[list[dict]]) -> list[dict]:
-    """Per stage, for one training step: how long the pipeline ran, how much of it this stage computed.
-
-    stage_events[s] is stage s's `InstructionTimer.take()` for the step. The span runs from the first
-    forward on any stage to the last backward on any stage (the optimizer step after it is not
-    pipeline time); a stage is idle whenever it is not inside a ForwardPass or BackwardPass.
-    Also reported: time blocked in point-to-point sends and receives, one place the idle time goes.
-    """
+    """Per stage, for one step (stage_events[s]: stage s's `InstructionTimer.take()`): the span from the first
+    forward to the last backward on any stage (the optimizer step is not pipeline time), and the share of it
+    the stage was idle, outside a ForwardPass or BackwardPass."""
     compute = [[e for e in events if e["name"] in COMPUTE] for events in stage_events]
     if not all(compute):
         raise ValueError("every stage needs at least one ForwardPass/BackwardPass event for the step")
@@ -137,12 +132,7 @@ def measured_bubble(stage_events: list[list[dict]]) -> list[dict]:
     rows = []
     for stage, (events, busy_events) in enumerate(zip(stage_events, compute)):
         busy = sum(e["end"] - e["start"] for e in busy_events)
-        p2p = [e for e in events if e["name"] in P2P]
-        rows.append({"stage": stage, "span_s": span, "busy_s": busy, "idle_s": span - busy,
-                     "idle_fraction": (span - busy) / span,
-                     "p2p_s": sum(e["end"] - e["start"] for e in p2p),
-                     # one-thread rank below 1: the OS kept it off the CPU while it computed (a busy machine)
-                     "compute_cpu_share": sum(e["cpu_s"] for e in busy_events) / busy,
+        rows.append({"stage": stage, "span_s": span, "idle_fraction": (span - busy) / span,
                      "forward_s": _mean_duration(events, "ForwardPass"),
                      "backward_s": _mean_duration(events, "BackwardPass")})
     return rows
@@ -234,14 +224,8 @@ def work_per_micro_batch(stage_events: list[list[dict]], threads: int) -> tuple[
 
 def bubble_rows(results: dict, warmup: int = 1) -> list[dict]:
     """Per m and stage of `helpers.pipeline.run`'s results: the bubble formula, DeepSpeed's schedule, this
-    run replayed, and the measured idle share.
-
-    The replays run DeepSpeed's schedule on paper with the work each stage really did in this run, as
-    if each stage had a processor of its own: "idle replayed" with instant hand-offs between stages
-    (it differs from the formula only where the stages' work differs), "+ hand-offs" with this run's
-    median hand-off time. "idle measured" is the wall clock. Each is the median over the steps after
-    `warmup`, so one preempted step does not move it.
-    """
+    run's work replayed on that schedule (with instant hand-offs, and with this run's median hand-off), and
+    the measured idle share; each the median over the steps after `warmup`."""
     threads = results["ranks"][0]["torch_threads"]
     rows = []
     for m, stages in results["pipeline"].items():
@@ -261,10 +245,6 @@ def bubble_rows(results: dict, warmup: int = 1) -> list[dict]:
                 "idle replayed + hand-offs": median(step[stage]["idle_fraction"] for step in with_handoffs),
                 "idle measured": median(r["idle_fraction"] for r in mine),
                 "hand-off ms": 1e3 * median(handoff),
-                "p2p wait share": median(r["p2p_s"] / r["span_s"] for r in mine),
-                "cpu share": median(r["compute_cpu_share"] for r in mine),
                 "forward ms": 1e3 * median(r["forward_s"] for r in mine),
-                "backward ms": 1e3 * median(r["backward_s"] for r in mine),
-                "span ms": 1e3 * median(r["span_s"] for r in mine),
-                "train_batch ms": 1e3 * median(stages[stage]["step_s"][warmup:])})
+                "backward ms": 1e3 * median(r["backward_s"] for r in mine)})
     return rows

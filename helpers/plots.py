@@ -87,18 +87,6 @@ def training_curves(scalars: dict, floor: float, ln_vocab: float, save_dir=None)
     return finish(fig, save_dir, "training_curves")
 
 
-def resume_overlay(straight: list[dict], resumed: list[dict], save_dir=None):
-    """Losses of the straight run and of the run resumed from a checkpoint, on the same steps."""
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.plot([m["step"] for m in straight], [m["loss"] for m in straight], lw=3, alpha=0.4,
-            label="trained straight through")
-    ax.plot([m["step"] for m in resumed], [m["loss"] for m in resumed], "k--", lw=1,
-            label="fresh engine resumed from checkpoint")
-    ax.set(title="Exact resume: the two runs overlap", xlabel="step", ylabel="loss")
-    ax.legend()
-    return finish(fig, save_dir, "resume_overlay")
-
-
 def table(rows, index: str | None = None):
     """A pandas DataFrame from a dict (one row per key) or a list of dicts, for tidy display."""
     import pandas as pd
@@ -108,8 +96,8 @@ def table(rows, index: str | None = None):
     return frame.set_index(index) if index else frame
 
 
-def stacked_memory(measured: dict[int, dict], predicted: dict[int, dict], unit: float = 1e6,
-                   save_dir=None, title: str = "Model states held per rank", unit_name: str = "MB"):
+def stacked_memory(measured: dict[int, dict], predicted: dict[int, dict], save_dir=None,
+                   title: str = "Model states held per rank"):
     """Per ZeRO stage: measured bytes per rank (left bar) beside the formula (right bar), stacked by
     component (params, grads, optimizer; buffers on top of the measured bar where present)."""
     parts = ["params", "grads", "optimizer", "buffers"]
@@ -119,20 +107,22 @@ def stacked_memory(measured: dict[int, dict], predicted: dict[int, dict], unit: 
         for offset, source, hatch in ((-0.2, measured[stage], None), (0.2, predicted[stage], "//")):
             bottom = 0.0
             for part in parts:
-                value = source.get(part, 0) / unit
+                value = source.get(part, 0) / 1e6
                 ax.bar(i + offset, value, 0.38, bottom=bottom, color=colours[part], hatch=hatch,
                        edgecolor="white", label=part if (i == 0 and offset < 0) else None)
                 bottom += value
     ax.set_xticks(range(len(measured)), [f"stage {s}\nmeasured | formula" for s in sorted(measured)])
-    ax.set(title=title, ylabel=f"{unit_name} per rank")
+    ax.set(title=title, ylabel="MB per rank")
     ax.legend()
     return finish(fig, save_dir, "zero_memory")
 
 
-def loss_overlay(curves: dict[str, list[float]], save_dir=None, name="loss_overlay", title="Loss per step"):
+def loss_overlay(curves: dict[str, list[float]], save_dir=None, name="loss_overlay", title="Loss per step",
+                 first_step: int = 1):
+    """Loss curves on the same steps, each drawn thinner and dashed differently, so equal ones stay visible."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for i, (label, losses) in enumerate(curves.items()):
-        ax.plot(range(1, len(losses) + 1), losses, lw=3 - 0.5 * i, alpha=0.8, ls=["-", "--", ":", "-."][i % 4],
+        ax.plot(range(first_step, first_step + len(losses)), losses, lw=3 - 0.5 * i, alpha=0.8, ls=["-", "--", ":", "-."][i % 4],
                 label=label)
     ax.set(title=title, xlabel="step", ylabel="loss")
     ax.legend()
@@ -213,8 +203,7 @@ def moe_curves(curves: dict, save_dir=None):
     """Left: LM loss of the MoE model and its dense twin. Right: the router's auxiliary loss."""
     fig, (lm, aux) = plt.subplots(1, 2, figsize=(10, 3.3))
     lm.plot(curves["step"], curves["lm_loss"], label="MoE (LM loss)")
-    if "dense_loss" in curves:
-        lm.plot(curves["step"], curves["dense_loss"], ls="--", label="dense twin")
+    lm.plot(curves["step"], curves["dense_loss"], ls="--", label="dense twin")
     lm.set(xlabel="step", ylabel="loss", title="Language-model loss")
     lm.legend()
     aux.plot(curves["step"], curves["aux_loss"], color="tab:purple")

@@ -1,13 +1,9 @@
 """Before the first GPU step: can DeepSpeed build its CUDA ops here, and are the packages new enough?
+(`python -m helpers.preflight`, run by colab_setup.sh; exit 1 on a problem.)
 
-DeepSpeed JIT-compiles FusedAdam (the GPU trainer's optimizer) with the nvcc under CUDA_HOME. Its own
-CUDA-version check (`assert_no_cuda_mismatch`) runs only for ahead-of-time builds, not on this JIT path,
-so an nvcc of another CUDA major than torch's fails later as a compiler or loader error. torch 2.12+ also
-compiles CUDA code with -std=c++20, which nvcc supports from CUDA 12. This module says so up front.
-
-    python -m helpers.preflight        # what colab_setup.sh runs after installing; exit 1 on a problem
-
-On a CPU it builds and checks DeepSpeedCPUAdam instead (ZeRO-Offload's optimizer, notebook 05).
+DeepSpeed JIT-compiles FusedAdam with the nvcc under CUDA_HOME, and its CUDA-version check runs only for
+ahead-of-time builds, so an nvcc of another CUDA major than torch's fails later as a compiler error; torch
+2.12+ compiles with -std=c++20, which nvcc has from CUDA 12. On a CPU it builds DeepSpeedCPUAdam instead.
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""The ready-made DeepSpeed configs in `configs/`, generated here so they cannot drift.
-
-Run `python -m helpers.presets` to rewrite `configs/*.json` from `PRESETS`; a test checks that the
-checked-in files equal what this module generates, and that DeepSpeed 0.19 and HF
-`Trainer(deepspeed=...)` both accept each file unchanged.
-
-Every file trains the tutorial's model with the trainer's defaults (micro-batch 16, AdamW lr 3e-3,
-20 warmup steps of 300) and differs from `zero0.json` only in what its name says. Two choices make
-the same file work everywhere:
-- No `train_batch_size`: DeepSpeed derives it as micro-batch x accumulation x world size, so one
-  file runs on 1 GPU, 8 GPUs or 4 nodes (a fixed value would be wrong for all but one world size).
-- No "auto" values: plain DeepSpeed cannot read them. HF Trainer instead requires its
-  `TrainingArguments` to agree with the file, which `helpers.hf_trainer.training_arguments` builds.
+"""The ready-made DeepSpeed configs in `configs/`, generated from `PRESETS` so they cannot drift:
+`python -m helpers.presets` rewrites them; a test checks the files equal what this module generates and
+that DeepSpeed and HF `Trainer(deepspeed=...)` accept each unchanged. Each differs from `zero0.json` only in
+what its name says, and holds no "auto" value (plain DeepSpeed cannot read one: HF's TrainingArguments are
+made to agree with the file instead, helpers.hf_trainer).
 """
 from __future__ import annotations
 

@@ -66,12 +66,9 @@ def free_port() -> int:
 
 
 def init_single_process() -> dict[str, str]:
-    """Make this (notebook) process a 1-rank distributed job, as a launcher would.
-
-    `deepspeed.initialize` outside a launcher falls back to MPI discovery unless these variables
-    exist. Only missing ones are set, so a real launcher's values always win. Once the process group
-    exists nothing is re-initialised and the port never moves (re-running a notebook is safe).
-    """
+    """Make this (notebook) process a 1-rank distributed job, as a launcher would (without these variables
+    `deepspeed.initialize` falls back to MPI discovery). Only missing ones are set, and an existing group
+    is kept, so a launcher's values win and re-running a notebook is safe."""
     import deepspeed
     dist = torch.distributed
     if not dist.is_initialized():
@@ -184,23 +181,14 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 
 
 def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep the memory a CPU training step frees, so the next step reuses it.
-
-    By default glibc gives a block of 128 KiB+ (its threshold adapts up to 32 MiB) a mapping of its own,
-    unmapped again when freed, and trims the heap when its free top grows past twice that threshold. A
-    training step allocates and frees its activations and gradients every time, so every step touches
-    fresh pages the kernel must fault in and zero: about 40 thousand page faults (~160 MB) a step for
-    the benchmark's 4.3M-parameter GPT-2. Here every block comes from the heap, the heap grows in 256 MiB
-    strides and is not trimmed while under 1 GiB is free: after the first few steps the pages stay mapped
-    (the peak is about the same; memory is just not handed back between steps). What tcmalloc or jemalloc,
-    preloaded, would also do. Process-wide; returns False where malloc is not glibc's (macOS, musl:
-    nothing changed) or glibc refused a setting (the others still applied). A GPU's memory has its own
-    caching allocator and needs none of this.
-    """
+    """Make glibc's malloc keep the memory a CPU training step frees, so the next step reuses its pages
+    instead of faulting fresh ones in (notebook 03 measures why). Process-wide; False where malloc is not
+    glibc's (nothing changed) or glibc refused a setting (the others still applied)."""
     if platform.libc_ver()[0] != "glibc":
         return False
     import ctypes
     libc = ctypes.CDLL(None)
+    # no block gets a mapping of its own; the heap is trimmed only past 1 GiB free and grows in 256 MiB strides
     settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**30), (M_TOP_PAD, 2**28))
     accepted = [libc.mallopt(param, value) == 1 for param, value in settings]   # each tried, even after a refusal
     return all(accepted)

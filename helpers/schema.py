@@ -1,13 +1,7 @@
-"""What DeepSpeed 0.19 itself accepts in a config, read from DeepSpeed's own code, not re-written here.
-
-- the top-level keys its config parser reads, and the defaults it reads them with (their JSON type);
-- the pydantic models of its blocks (ZeRO, offload, bf16/fp16, monitors, comms logger, compile), which
-  forbid unknown keys and check types and allowed values;
-- the signatures of the optimizer and LR schedule the config names, and their own constructors;
-- finally its DeepSpeedConfig class on the whole dict.
-
-Each check raises ConfigError with the key path, what it got and what it expects; an unknown key gets
-the closest valid name. helpers.config.validate runs these after the tutorial's own rules.
+"""What DeepSpeed 0.19 itself accepts in a config, read from its own code: the top-level keys its parser
+reads (and their defaults' JSON types), the pydantic models of its blocks, the signatures of the optimizer
+and LR schedule named, and its DeepSpeedConfig class on the whole dict. Each check raises ConfigError with
+the key path, what it got and what it expects; an unknown key gets the closest valid name.
 """
 from __future__ import annotations
 
@@ -50,10 +44,6 @@ class RecordingDict(dict):
     def __contains__(self, key):
         self.reads.setdefault(key, None)
         return super().__contains__(key)
-
-    def __getitem__(self, key):
-        self.reads.setdefault(key, None)
-        return super().__getitem__(key)
 
     def keys(self):   # DeepSpeed also asks `KEY in param_dict.keys()`: answer with the recording dict itself
         return self

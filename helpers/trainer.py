@@ -70,8 +70,9 @@ class AdvancedDeepSpeedTrainer:
                                         process_rank(), world_size())
         self.engine = self._build_engine(train_data.vocab_size, seed, resume_dir, saved)   # the first expensive step
         self.grad_accum = self.engine.gradient_accumulation_steps()   # DeepSpeed's reading of the dict
-        if resume_dir is not None:
-            self.load_checkpoint(resume_dir.parent, tag=resume_dir.name, saved=saved)
+        if resume_dir is not None:   # its settings were checked against this run's in _build_engine
+            self.batches.load_state_dict(saved["batches"])   # before the engine loads: it may refuse the position
+            self.history = list(checkpoints.load(self.engine, resume_dir)["history"])
 
     def _check_model(self, asked_size: str) -> None:
         if self.model_size not in MODEL_SIZES:
@@ -225,17 +226,6 @@ class AdvancedDeepSpeedTrainer:
         directory = Path(directory or self.output_dir / "checkpoints")
         state = {"batches": self.batches.state_dict(), "history": self.history}
         return checkpoints.save(self.engine, directory, f"step{self.step}", state)
-
-    def load_checkpoint(self, directory: str | Path, tag: str | None = None, saved: dict | None = None) -> Path:
-        """Restore everything `save_checkpoint` saved; never silently starts fresh. First the checkpoint's
-        settings (`saved`, read here when not given) are checked against this run's."""
-        tag_dir = find_checkpoint(directory) if tag is None else Path(directory) / tag
-        saved = saved or checkpoints.saved_settings(tag_dir)
-        checkpoints.check_settings(tag_dir, saved, checkpoints.run_settings(self.engine.module, self.config,
-                                                                                world_size()))
-        self.batches.load_state_dict(saved["batches"])   # also before the engine loads: it may refuse the position
-        self.history = list(checkpoints.load(self.engine, tag_dir)["history"])
-        return tag_dir
 
     @torch.compiler.set_stance("force_eager")   # every new length would compile again
     def generate(self, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:

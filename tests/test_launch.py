@@ -93,8 +93,8 @@ def test_deepspeed_launcher_works_on_cpu(tmp_path):
 
 def test_options_become_the_programs_flags():
     from helpers.launch import flags
-    assert flags({"steps": 8, "micro_batches": (1, 2), "skip_dense": True, "paper_comm": False, "seed": None,
-                  "config": "configs/zero2.json"}) == ["--steps=8", "--micro-batches", "1", "2", "--skip-dense",
+    assert flags({"steps": 8, "micro_batches": (1, 2), "offload_optimizer": True, "paper_comm": False, "seed": None,
+                  "config": "configs/zero2.json"}) == ["--steps=8", "--micro-batches", "1", "2", "--offload-optimizer",
                                                        "--config=configs/zero2.json"]
 
 

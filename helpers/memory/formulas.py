@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..errors import require_positive_int
-from ..precision import ELEMENT_BYTES   # noqa: F401 (public here too: notebook 05 reads it)
+from ..precision import ELEMENT_BYTES, check_name   # noqa: F401 (ELEMENT_BYTES: public here too, notebook 05 reads it)
 
 GB = 1e9   # the paper's GB (its 7.5B-parameter example: 120, 31.4, 16.6, 1.9 GB on 64 GPUs)
 VOCAB = 50257   # GPT-2's BPE vocabulary, which GPT-3 kept
@@ -43,33 +43,21 @@ def zero_model_states(n_params: float, n_ranks: int, stage: int, param_bytes: fl
 
 
 def bytes_per_param(precision: str, stage: int) -> tuple[int, int, int]:
-    """(param, grad, optimizer) bytes per parameter that DeepSpeed 0.19 keeps in this tutorial's runs
-    (AdamW; measured with `measured.held_bytes` on 1 and 2 ranks, stages 0-3, fp32 and bf16).
-
-    bf16/fp16: (2, 2, 12), the paper's mixed precision, at every stage: 16-bit params and grads; the
-      optimizer keeps fp32 master params + Adam m + v. Stage 0: `FP16_UnfusedOptimizer.fp32_groups`
-      (`FP16_Optimizer` with FusedAdam on a GPU); stages 1-2: `DeepSpeedZeroOptimizer.
-      single_partition_of_fp32_groups`; stage 3: `DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat`.
-      Gradients stay 16-bit (grad_accum_dtype defaults to the model's dtype). fp16 is GPU-only, so only
-      bf16 was measured here; fp16 goes through the same classes.
-    fp32, stage 0: (4, 4, 8): torch AdamW steps the model's own fp32 params, so no master copy: m + v.
-    fp32, stages 1-3: (4, 4, 12): the ZeRO optimizers clone their partition into an fp32 "master"
-      copy even when the model already is fp32, so ZeRO-1 on one rank holds more than DDP. (ZeRO-3 means
-      to reuse the partition when dtype and device match, but compares a torch.device with a device-name
-      string, which is never equal, so it clones too.)
+    """(param, grad, optimizer) bytes per parameter DeepSpeed 0.19 keeps with AdamW (measured with
+    `measured.held_bytes`, stages 0-3, fp32 and bf16; notebook 04 tells why):
+    16-bit: (2, 2, 12) at every stage, the fp32 masters in FP16_UnfusedOptimizer.fp32_groups (stage 0),
+      DeepSpeedZeroOptimizer.single_partition_of_fp32_groups (1-2), ..._Stage3.fp32_partitioned_groups_flat (3).
+    fp32: (4, 4, 8) at stage 0 (no master copy), (4, 4, 12) at stages 1-3 (the ZeRO optimizers clone one).
     """
-    if precision not in ELEMENT_BYTES:
-        raise ValueError(f"precision={precision!r} is not one of {', '.join(map(repr, ELEMENT_BYTES))}")
+    check_name(precision)
     size = ELEMENT_BYTES[precision]
     return size, size, 8 if (precision, stage) == ("fp32", 0) else 12
 
 
-def paper_table(n_params: float, n_ranks_list, stages=(0, 1, 2, 3), param_bytes: float = 2,
-                grad_bytes: float = 2, optimizer_bytes: float = 12) -> list[dict]:
-    """Rows {n_ranks, stage, params, grads, optimizer, total} in GB per rank, for plots and tables."""
-    return [{"n_ranks": n, "stage": s, **{k: v / GB for k, v in zero_model_states(
-                n_params, n, s, param_bytes, grad_bytes, optimizer_bytes).items()}}
-            for n in n_ranks_list for s in stages]
+def paper_table(n_params: float, n_ranks_list) -> list[dict]:
+    """Rows {n_ranks, stage, params, grads, optimizer, total} in GB per rank (the paper's 2/2/12 bytes)."""
+    return [{"n_ranks": n, "stage": s, **{k: v / GB for k, v in zero_model_states(n_params, n, s).items()}}
+            for n in n_ranks_list for s in (0, 1, 2, 3)]
 
 
 @lru_cache(maxsize=1)
@@ -116,17 +104,12 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 
 
 def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, n_layer: int, vocab: int,
-                     bytes_per_element: float = 2, checkpointing: bool = False, dropout: bool = False) -> dict:
-    """Activation bytes of the whole model, by term.
-
-    layers: n_layer x `activation_bytes_per_layer`.
-    recompute: with checkpointing, one layer's full activations exist again while its backward runs.
-    logits: kept apart because it follows the vocabulary, not the layers, and at small h with a 50k
-      vocabulary it is often the largest term: the loss's fp32 log-softmax (the paper's 4sbv) plus the
-      logits tensor itself, which HF's model output holds (bytes_per_element x sbv).
-    """
+                     bytes_per_element: float = 2, checkpointing: bool = False) -> dict:
+    """Activation bytes of the whole model (no dropout), by term: layers (n_layer x per layer); recompute
+    (with checkpointing, one layer's full activations while its backward runs); logits, which follow the
+    vocabulary: the loss's fp32 log-softmax (the paper's 4sbv) plus the logits HF's output holds."""
     def per_layer(ckpt):
-        return activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, bytes_per_element, ckpt, dropout)
+        return activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, bytes_per_element, ckpt)
 
     out = {"layers": n_layer * per_layer(checkpointing), "recompute": per_layer(False) if checkpointing else 0.0,
            "logits": seq_len * micro_batch * vocab * (4 + bytes_per_element)}

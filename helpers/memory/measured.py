@@ -16,28 +16,17 @@ GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "g
 
 
 def measurement_zero_extra(n_params: int) -> dict:
-    """ZeRO settings that let a tiny model's measurement show the formulas.
-
-    DeepSpeed's communication buckets default to 5e8 elements (2 GB in fp32), allocated whole: they
-    would dwarf a 0.4M-param model. Below stage3_param_persistence_threshold (1e5 elements) ZeRO-3
-    keeps a parameter whole on every rank; for a tiny model that is every parameter.
-    """
+    """ZeRO settings that let a tiny model's measurement show the formulas: buckets of the model's size, not
+    DeepSpeed's 5e8 elements, and no parameter kept whole below ZeRO-3's persistence threshold (1e5)."""
     bucket = n_params + n_params % 2   # allgather_bucket_size must be even
     return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
             "stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0}
 
 
-def tensors_in(obj):
+def tensors_in(obj) -> list:
     """Every tensor inside nested dicts/lists/tuples (None and other objects skipped)."""
     import torch
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from tensors_in(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from tensors_in(value)
+    return [leaf for leaf in torch.utils._pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
 
 
 @contextlib.contextmanager
@@ -108,14 +97,9 @@ def held_bytes(engine, seen: set | None = None) -> dict:
 
 
 def zero2_overhang_bytes(engine) -> int:
-    """Gradient bytes a ZeRO-2 rank holds beyond its 1/N share (0 at other stages).
-
-    DeepSpeedZeroOptimizer keeps the *whole* gradient of every parameter that overlaps its partition
-    (`params_in_partition`; `grads_in_partition` and `all_grad_tensors` are sized by their full numel),
-    so a parameter cut by a partition boundary is held whole by both neighbouring ranks. That adds up
-    to two parameters per rank: negligible when a partition is much larger than the largest layer,
-    but not for a tiny model (or a 50k-vocab embedding split over many ranks).
-    """
+    """Gradient bytes a ZeRO-2 rank holds beyond its 1/N share (0 at other stages): DeepSpeedZeroOptimizer
+    keeps the whole gradient of every parameter overlapping its partition (`params_in_partition`), so one cut
+    by a boundary is held whole by both neighbours; negligible unless layers are large beside a partition."""
     if engine.zero_optimization_stage() != 2:
         return 0
     opt = engine.optimizer

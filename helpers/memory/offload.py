@@ -1,11 +1,5 @@
-"""Notebook 05's ZeRO-Offload runs (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model
-Training"): keep the optimizer's fp32 master weights and Adam moments in host RAM and run Adam on the CPU
-(DeepSpeed's vectorised `DeepSpeedCPUAdam`); with ZeRO-3, park the parameter partitions there too.
-
-Each step the accelerator sends its gradient partition down to the host and gets the updated parameters
-back, so device memory drops to the parameters (and, stage 1, gradients) at the price of host traffic
-and a CPU optimizer step. Where the bytes live is read from the engine (measured.split_by_side), not assumed.
-"""
+"""Notebook 05's ZeRO-Offload runs (Ren et al. 2021): optimizer states, and with ZeRO-3 parameters, in host
+RAM, Adam on the CPU (DeepSpeedCPUAdam); where the bytes live is read from the engine, not assumed."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,16 +1,12 @@
-"""What fits on a GPU: the bytes each GPU needs for a ZeRO stage, CPU offload, activation checkpointing
-and micro-batch (model states by the ZeRO formula as DeepSpeed counts them + activations + a fixed
-overhead), and the explorer's checks and DeepSpeed config. Notebooks 04-05 set it beside DeepSpeed's own
-estimators (estimate_zero2/3_model_states_mem_needs), which they call in their cells.
-
-A planning aid, not a promise: it leaves out DeepSpeed's communication buckets and allocator
-fragmentation beyond OVERHEAD_GB. Everything is plain functions, so the widget stays a thin layer.
+"""What fits on a GPU: bytes per GPU for a ZeRO stage, offload, checkpointing and micro-batch (model states
+as DeepSpeed counts them + activations + a fixed overhead), and the explorer's checks and config. A planning
+aid, not a promise: it leaves out communication buckets and fragmentation beyond OVERHEAD_GB.
 """
 from __future__ import annotations
 
-from ..config import PRECISIONS, ZERO_STAGES, build_config, require_positive_int, validate
+from ..config import ZERO_STAGES, build_config, require_positive_int, validate
 from ..hardware import GPUS
-from ..precision import gpu_has_bf16
+from ..precision import check_name, gpu_has_bf16
 from .formulas import ELEMENT_BYTES, GB, activation_bytes, bytes_per_param, models, zero_model_states
 
 # Fixed bytes a GPU loses before the first tensor, in GB: the CUDA context (~0.3-0.5 GB with lazy
@@ -67,7 +63,7 @@ def _preference(row: dict) -> tuple:
 
 def plan(model: str | dict, gpu_memory_gb: float, n_gpus: int = 1, seq_len: int | None = None,
          precision: str = "bf16", micro_batches=MICRO_BATCHES, overhead_gb: float = OVERHEAD_GB,
-         dropout: bool = False, counting: str = "deepspeed", host_memory_gb: float | None = None) -> list[dict]:
+         host_memory_gb: float | None = None) -> list[dict]:
     """Every (stage, offload, checkpointing, micro_batch) with its GPU and CPU bytes, in GB, sorted by
     `_preference`, for a model of formulas.models() (its name or its dict; seq_len defaults to its
     context). gpu_gb = model states + activations (+ the recomputed layer) + overhead_gb;
@@ -79,18 +75,17 @@ def plan(model: str | dict, gpu_memory_gb: float, n_gpus: int = 1, seq_len: int 
     for offload, stages in OFFLOADS.items():
         for stage in stages:
             states = model_state_bytes(shape["params"], n_gpus, stage, offload, precision,
-                                       shape["largest_layer_params"], counting)
+                                       shape["largest_layer_params"])
             for ckpt in (False, True):
                 for mb in micro_batches:
                     act = activation_bytes(seq_len, mb, shape["hidden"], shape["heads"], shape["n_layer"],
-                                           shape["vocab"], ELEMENT_BYTES[precision], ckpt, dropout)["total"]
+                                           shape["vocab"], ELEMENT_BYTES[precision], ckpt)["total"]
                     gpu = (states["gpu"] + act) / GB + overhead_gb
+                    host_fits = host_memory_gb is None or states["cpu"] / GB <= host_memory_gb
                     rows.append({"stage": stage, "offload": offload, "checkpointing": ckpt, "micro_batch": mb,
                                  "model_states_gb": states["gpu"] / GB, "activations_gb": act / GB,
                                  "overhead_gb": overhead_gb, "gpu_gb": gpu, "cpu_gb": states["cpu"] / GB,
-                                 "host_fits": host_memory_gb is None or states["cpu"] / GB <= host_memory_gb,
-                                 "fits": gpu <= gpu_memory_gb and (host_memory_gb is None or
-                                                                   states["cpu"] / GB <= host_memory_gb)})
+                                 "host_fits": host_fits, "fits": gpu <= gpu_memory_gb and host_fits})
     return sorted(rows, key=_preference)
 
 
@@ -129,9 +124,7 @@ def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, 
                              "offload_optimizer moves the optimizer partition, and stage 0 partitions nothing")
         raise ValueError(f"offload='optimizer+params' needs ZeRO stage 3 (stage is {stage}): only stage 3 "
                          "partitions the parameters that offload_param moves; use stage=3 or offload='optimizer'")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
-    if precision == "bf16" and not gpu_has_bf16(GPUS[gpu]["capability"]):
+    if check_name(precision) == "bf16" and not gpu_has_bf16(GPUS[gpu]["capability"]):
         raise ValueError(f"precision='bf16' on the {gpu}: {GPUS[gpu]['arch']} GPUs have no bf16 tensor cores "
                          "(they arrived with Ampere); use precision='fp16' (the same memory) or a newer GPU")
     if not isinstance(checkpointing, bool):
@@ -149,16 +142,9 @@ def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, 
 def estimate(model: str = "GPT-2 1.5B", gpu: str = "T4", n_gpus_per_node: int = 1, n_nodes: int = 1,
              stage: int = 0, offload: str = "none", precision: str = "fp16", micro_batch: int = 1,
              grad_accum: int = 1, checkpointing: bool = False, seq_len: int | None = None) -> dict:
-    """GB per GPU by part, host GB per node, and whether it fits, for one training setup.
-
-    The row of `plan` for these choices (model_states_gb, activations_gb, overhead_gb, gpu_gb, plus
-    stage/offload/checkpointing/micro_batch, so helpers.plots.plan_bars can draw it), and:
-    gpu_memory_gb, free_gb; host_gb_per_node (offloaded states: each node's ranks hold their share);
-    fits and reason ("needs 37.5 GB per GPU, the T4 has 16 GB"); world_size, global_batch (micro x
-    accum x world) and tokens_per_step; notes for the reader; suggestion: when it does not fit, the
-    fastest setup that does on the same GPUs (`best_plan`), or None.
-    Gradient accumulation changes the batch, not the memory: gradients accumulate in place.
-    """
+    """The row of `plan` for one training setup (GB per GPU by part), with host GB per node, whether it
+    fits and why, the batch it makes (accumulation changes the batch, not the memory), notes for the reader,
+    and, when it does not fit, the fastest setup that does on the same GPUs (`best_plan`)."""
     seq_len = check(model, gpu, n_gpus_per_node, n_nodes, stage, offload, precision, micro_batch, grad_accum,
                     checkpointing, seq_len)
     memory_gb, world, host_gb = GPUS[gpu]["memory_gb"], n_gpus_per_node * n_nodes, GPUS[gpu]["host_gb"]
@@ -198,13 +184,9 @@ def notes(gpu: str, world_size: int, stage: int, offload: str, precision: str, c
 def config_for(model: str = "GPT-2 1.5B", gpu: str = "T4", n_gpus_per_node: int = 1, n_nodes: int = 1,
                stage: int = 0, offload: str = "none", precision: str = "fp16", micro_batch: int = 1,
                grad_accum: int = 1, checkpointing: bool = False, seq_len: int | None = None) -> dict:
-    """The DeepSpeed config for these choices (helpers.config.build_config), validated for CUDA and
-    world size n_gpus_per_node x n_nodes; train_batch_size = micro_batch x grad_accum x world size.
-
-    model, seq_len and checkpointing are checked but leave no trace in the config: DeepSpeed's
-    "activation_checkpointing" block only configures deepspeed.checkpointing for models that call it
-    (Megatron-style); an HF model turns checkpointing on itself (helpers.model.enable_checkpointing).
-    """
+    """The DeepSpeed config for these choices, validated for CUDA and n_gpus_per_node x n_nodes ranks.
+    Checkpointing leaves no trace in it: DeepSpeed's "activation_checkpointing" block configures only
+    models that call deepspeed.checkpointing; an HF model turns it on itself (model.enable_checkpointing)."""
     check(model, gpu, n_gpus_per_node, n_nodes, stage, offload, precision, micro_batch, grad_accum,
           checkpointing, seq_len)
     world = n_gpus_per_node * n_nodes

@@ -1,12 +1,5 @@
-"""Notebook 05's 16-bit runs: what a 16-bit format changes, measured: model-state bytes, activation bytes
-and speed, beside fp32.
-
-Mixed precision keeps an fp32 master copy of the weights for the optimizer but stores the working
-parameters, gradients and activations in 16 bits: per parameter 2 + 2 + 12 bytes instead of fp32's
-4 + 4 + 12 (under ZeRO; formulas.bytes_per_param), and half the activation bytes. Speed depends on the
-hardware: tensor cores make 16-bit matmuls several times faster on a GPU; a CPU without AVX512-BF16/AMX
-emulates bf16 and is far slower than fp32 (helpers.precision.matmul_tflops measures it).
-"""
+"""Notebook 05's 16-bit runs: model-state bytes, activation bytes and speed of a 16-bit format beside fp32,
+measured (notebook 05 explains what mixed precision keeps in 16 bits and what stays fp32)."""
 from __future__ import annotations
 
 from pathlib import Path

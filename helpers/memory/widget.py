@@ -1,12 +1,7 @@
-"""The memory explorer as ipywidgets: a control for every choice of planner.estimate, and a chart
-(helpers.plots.plan_bars), a verdict and the DeepSpeed JSON that follow them.
-
-Works with ipywidgets 7.7 (Colab) and 8.x by construction: it uses only API the two share, namely
-Dropdown, ToggleButtons with (label, value) options, IntSlider(continuous_update=False), Checkbox,
-HTML, Image(format="png"), VBox/HBox, Layout(display=, width=), style={"description_width": ...} and
-traitlets' observe(handler, names="value"). The chart is a PNG in an Image widget and the text is
-HTML rather than prints into an Output widget: they update the same way in every front end, and
-without a kernel, so tests read them from .value. All the logic is in `render`, testable alone.
+"""The memory explorer as ipywidgets: a control for every choice of planner.estimate, and a chart, a verdict
+and the DeepSpeed JSON that follow them. Only API ipywidgets 7.7 (Colab) and 8.x share; the chart is a PNG
+in an Image widget and the text HTML, so they update the same in every front end and tests read them from
+.value. All the logic is in `render`, testable alone.
 """
 from __future__ import annotations
 

@@ -42,7 +42,6 @@ def parse(argv=None):
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
-    p.add_argument("--skip-dense", action="store_true", help="train only the MoE model")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -245,16 +244,14 @@ def main(argv=None):
     precision = detect().precision if a.precision == "auto" else a.precision
     data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
     models = {"moe": MoEGPT(data.vocab_size, a.seq_len, a.model_size, a.num_experts, a.k, a.ep_size,
-                                a.capacity_factor, aux_loss_coef=a.aux_loss_coef, seed=a.seed)}
-    if not a.skip_dense:
-        models["dense"] = dense_twin(data.vocab_size, a.seq_len, a.model_size, a.k, seed=a.seed)
+                            a.capacity_factor, aux_loss_coef=a.aux_loss_coef, seed=a.seed),
+              "dense": dense_twin(data.vocab_size, a.seq_len, a.model_size, a.k, seed=a.seed)}
     runs = train_side_by_side(models, a, data, precision, world)
     engine, result = runs["moe"]
     result.update(held=moe.count_params(engine.module, a.k), **held_experts(engine.module),
                   formula=moe.moe_param_counts(data.vocab_size, a.seq_len, *MODEL_SIZES[a.model_size][:2], a.num_experts,
                                                a.k, a.ep_size))
-    if "dense" in runs:
-        runs["dense"][1]["params"] = sum(p.numel() for p in runs["dense"][0].module.parameters())
+    runs["dense"][1]["params"] = sum(p.numel() for p in runs["dense"][0].module.parameters())
     settings = {k: v for k, v in vars(a).items() if k != "out"}
     write_result(a.out, {"settings": {**settings, "world_size": world, "precision": precision,
                                       "vocab_size": data.vocab_size, "floor_nats": data.floor_nats,
