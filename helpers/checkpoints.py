@@ -31,16 +31,33 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint written with other settings (ZeRO stage, world size, precision, model) than the run's."""
 
 
-def save(engine, directory: str | Path, tag: str, client_state: dict) -> Path:
-    """Save on every rank, then point `latest` at `tag` once all ranks' files are written."""
+def save(engine, directory: str | Path, tag: str, client_state: dict, keep_last: int = 0) -> Path:
+    """Save on every rank, then point `latest` at `tag` once all ranks' files are written; then delete all
+    but the newest `keep_last` checkpoints (0: keep all)."""
     import torch.distributed as dist
     directory = Path(directory)
     engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()   # every rank's files are on disk before any rank may call the checkpoint complete
     if dist.get_rank() == 0:
         write_latest(directory, tag)
+        if keep_last:
+            prune(directory, keep_last)
     dist.barrier()
     return directory / tag
+
+
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Delete the trainer's checkpoints (step<N>) in `directory` but the `keep` written last (`latest`'s among
+    them); return what went. Written last, not highest step: a run resumed from an older tag keeps its own
+    newest. Other folders (a ds_to_universal output beside them) are never touched."""
+    import re
+    import shutil
+    latest = (directory / "latest").read_text().strip()
+    tags = sorted((p for p in directory.iterdir() if p.is_dir() and re.fullmatch(r"step\d+", p.name)),
+                  key=lambda p: (p.name == latest, p.stat().st_mtime_ns), reverse=True)
+    for old in tags[keep:]:
+        shutil.rmtree(old)
+    return tags[keep:]
 
 
 def write_latest(directory: Path, tag: str) -> None:

@@ -3,6 +3,7 @@ that otherwise surface as a stack trace inside DeepSpeed, or a silently differen
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from helpers.errors import ConfigError, require_positive_int   # noqa: F401 (ConfigError: public here too)
@@ -99,6 +100,7 @@ def validate(config: dict, *, device: str, world_size: int = 1, capability: tupl
     GPU's compute capability, e.g. (7, 5) for a T4, where bf16 is refused."""
     if not isinstance(config, dict):
         raise ConfigError(f"a DeepSpeed config is a JSON object (a dict), got {type(config).__name__} {config!r}")
+    check_finite(config)
     check_removed_keys(config)
     check_top_level(config)
     check_blocks(config)
@@ -193,12 +195,25 @@ def check_deepcompile(config: dict, device: str) -> None:
                           "works on a CPU)")
 
 
+def check_finite(config, path: str = "") -> None:
+    """JSON's NaN and Infinity (Python's json reads them) are never a setting: name where one is."""
+    items = config.items() if isinstance(config, dict) else enumerate(config) if isinstance(config, list) else ()
+    for key, value in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}={value!r} is not a finite number: write the value you mean")
+        check_finite(value, where)
+
+
 def check_rates(config: dict) -> None:
-    """Values DeepSpeed accepts but that train nothing (lr 0) or misbehave (a negative clipping norm)."""
+    """Values DeepSpeed accepts but that train nothing (lr 0), divide by zero (Adam's eps 0: a weight whose
+    gradients were all zero so far gets 0/0) or misbehave (a negative clipping norm)."""
     params = config.get("optimizer", {}).get("params", {})
-    lr = params.get("lr", 1) if isinstance(params, dict) else 1
-    if isinstance(lr, (int, float)) and lr <= 0:
-        raise ConfigError(f"optimizer.params.lr={lr!r} must be positive")
+    params = params if isinstance(params, dict) else {}
+    for key in ("lr", "eps"):
+        value = params.get(key, 1)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            raise ConfigError(f"optimizer.params.{key}={value!r} must be positive")
     if config.get("gradient_clipping", 0) < 0:
         raise ConfigError(f"gradient_clipping={config['gradient_clipping']} must be >= 0 (0 turns clipping off)")
 

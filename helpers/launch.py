@@ -122,12 +122,25 @@ def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir:
     all run on the CPU with gloo. Raises RankFailedError naming the failed rank, with its traceback (on a
     timeout, after killing every process it started)."""
     _validate(module, n_ranks, launcher)
-    out = fresh_out_dir(out_dir)
-    port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it
-    cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]
-    returncode = _run(cmd, child_env(like_ranks or n_ranks), out / "logs" / "launcher.log", timeout)
+    for attempt in range(PORT_ATTEMPTS):
+        out = fresh_out_dir(out_dir)
+        port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it
+        cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]
+        returncode = _run(cmd, child_env(like_ranks or n_ranks), out / "logs" / "launcher.log", timeout)
+        if returncode == 0 or not _port_was_taken(out / "logs"):
+            break
     _raise_if_failed(returncode, out, n_ranks, launcher, timeout)
     return read_results(out, n_ranks)
+
+
+# free_port's port is free when it answers, not when the launcher binds it a second later: a program started
+# at the same moment may take it first ("server socket has failed to listen"). Then the launch is repeated.
+PORT_ATTEMPTS = 3
+PORT_TAKEN = ("EADDRINUSE", "Address already in use", "failed to listen on any local network address")
+
+
+def _port_was_taken(logs: Path) -> bool:
+    return any(any(m in p.read_text(errors="replace") for m in PORT_TAKEN) for p in logs.rglob("*.log"))
 
 
 def fresh_out_dir(out_dir: str | Path) -> Path:

@@ -16,6 +16,7 @@ from .checkpoints import (CheckpointCorruptError, CheckpointMismatchError, Check
                           find_checkpoint)   # (public here too)
 from .batches import ResumableBatches
 from .config import micro_batch_of, validate
+from .interrupts import StopRequested, agreed_stop, holding_signals
 from .masters import master_weight_pairs
 from .precision import precision_of
 from .memory.measured import memory_mark, peak_memory
@@ -174,6 +175,9 @@ class AdvancedDeepSpeedTrainer:
         """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard. A step's `memory_mib` is
         the peak since this trainer was built (not the engines built before it in the same process).
 
+        Stop (SIGINT) or SIGTERM ends the run after the step it arrives in, recorded (helpers.interrupts):
+        StopRequested is raised there, and train() again continues as if never stopped.
+
         Progress: tqdm's bar in a terminal; elsewhere (a notebook, a log file) one line at each quarter of
         the run, because a saved notebook keeps every redraw of a bar, beginning with its 0% frame."""
         from tqdm import tqdm
@@ -184,16 +188,19 @@ class AdvancedDeepSpeedTrainer:
         bar = tqdm(range(steps), desc=label, disable=not (progress and in_terminal))
         quarters = {math.ceil(steps * q / 4) for q in (1, 2, 3, 4)} if progress and not in_terminal else set()
         try:
-            for _ in bar:
-                metrics = self.train_step()
-                new.append(metrics)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-                if len(new) in quarters:
-                    print(f"{label}: step {len(new)}/{steps}, loss {metrics['loss']:.3f}, "
-                          f"{metrics['tokens_per_s']:,.0f} tokens/s", flush=True)
-                if len(new) % self.LOG_EVERY == 0:
-                    self._log(new[-self.LOG_EVERY:])
-        finally:   # every step's metrics reach TensorBoard, also when a step fails
+            with holding_signals():
+                for _ in bar:
+                    metrics = self.train_step()
+                    new.append(metrics)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                    if len(new) in quarters:
+                        print(f"{label}: step {len(new)}/{steps}, loss {metrics['loss']:.3f}, "
+                              f"{metrics['tokens_per_s']:,.0f} tokens/s", flush=True)
+                    if len(new) % self.LOG_EVERY == 0:
+                        self._log(new[-self.LOG_EVERY:])
+                    if (stop := agreed_stop()) is not None:   # every rank stops after this same step
+                        raise StopRequested(stop, self.step)
+        finally:   # every step's metrics reach TensorBoard, also when a step fails or a Stop ends the run
             self._log(new[len(new) - len(new) % self.LOG_EVERY:])
             self.history += new
         return new
@@ -220,12 +227,13 @@ class AdvancedDeepSpeedTrainer:
         self.engine.train()
         return torch.stack(losses).float().mean().item()
 
-    def save_checkpoint(self, directory: str | Path | None = None) -> Path:
+    def save_checkpoint(self, directory: str | Path | None = None, keep_last: int = 0) -> Path:
         """Save engine, optimizer, LR schedule and data position; `latest` switches only once every
-        rank's files are written (helpers.checkpoints), so a crash mid-save leaves the previous one."""
+        rank's files are written (helpers.checkpoints), so a crash mid-save leaves the previous one.
+        keep_last: then delete all but the newest this many (0: keep all)."""
         directory = Path(directory or self.output_dir / "checkpoints")
         state = {"batches": self.batches.state_dict(), "history": self.history}
-        return checkpoints.save(self.engine, directory, f"step{self.step}", state)
+        return checkpoints.save(self.engine, directory, f"step{self.step}", state, keep_last)
 
     @torch.compiler.set_stance("force_eager")   # every new length would compile again
     def generate(self, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:

@@ -112,3 +112,18 @@ def test_show_names_what_does_not_exist(args, message):
     from helpers.launch import show
     with pytest.raises((FileNotFoundError, ValueError), match=message):
         show(*args)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_port_taken_between_pick_and_bind_is_picked_again(launcher, tmp_path, monkeypatch):
+    """Another program starting at the same moment can take the port free_port found before the launcher binds
+    it: the first launch fails to listen, the second, on a new port, runs."""
+    import helpers.launch
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        real = helpers.launch.free_port
+        monkeypatch.setattr(helpers.launch, "free_port", lambda: next(ports, None) or real())
+        results = launch(ECHO, 2, out_dir=tmp_path, timeout=120, launcher=launcher)
+    assert [r["rank"] for r in results] == [0, 1] and next(ports, None) is None

@@ -12,8 +12,12 @@ The data is synthetic Markov text (its best possible loss is known) unless --dat
 (helpers/own_text.py: a text file or folder, a dataset saved with save_to_disk, a hub name online).
 
 It writes TensorBoard scalars (OUTPUT_DIR/tensorboard), DeepSpeed checkpoints
-(OUTPUT_DIR/checkpoints, with the model config and tokenizer that `python -m helpers.export` needs)
-and, on rank 0, OUTPUT_DIR/metrics.json, and prints where they are.
+(OUTPUT_DIR/checkpoints, the last --keep-last of them, with the model config and tokenizer that
+`python -m helpers.export` needs) and, on rank 0, OUTPUT_DIR/metrics.json, and prints where they are.
+
+SIGTERM (a scheduler, a spot VM) or SIGINT (Ctrl-C) ends the run after the step it arrives in, on every
+rank: it writes a complete checkpoint and exits with status 128 + the signal's number (143 for SIGTERM),
+saying where to resume from (--resume-from OUTPUT_DIR/checkpoints).
 
 The file is the DeepSpeed config: it reaches `deepspeed.initialize` as written (validated once, on
 this many ranks), and the trainer reads batch size, accumulation and ZeRO stage back from the engine.
@@ -24,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
 from helpers.checkpoints import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from helpers.config import ConfigError, load_json, micro_batch_of, validate
 from helpers.errors import InputError
+from helpers.interrupts import StopRequested
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -38,7 +44,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="train until this optimizer step (default: the schedule's total_num_steps); "
                         "a resumed run continues up to it")
-    p.add_argument("--model-size", default="tiny", help="tiny, small, base, gpt2 or auto")
+    p.add_argument("--model-size", default="tiny", choices=("tiny", "small", "base", "gpt2", "auto"))
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--data", default=None,
                    help="your own text: a text file, a folder of text files, a dataset saved with "
@@ -59,6 +65,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--resume-from", default=None, help="a checkpoints directory written by an earlier run, or one checkpoint's own folder "
                                                        "(e.g. the output of ds_to_universal)")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every K steps (0: only at the end)")
+    p.add_argument("--keep-last", type=int, default=3,
+                   help="keep the newest K checkpoints, delete older ones after each save (0: keep all)")
     p.add_argument("--compile", action="store_true",
                    help="compile the model (DeepSpeed's engine.compile(), torch.compile): the first step "
                         "compiles (20-40 s for a small model on a 2-core CPU), later ones run faster; implied "
@@ -70,10 +78,14 @@ def parse(argv=None) -> argparse.Namespace:
     # environment either way, so it is accepted and ignored.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.seq_len < 2:
+        p.error(f"--seq-len={a.seq_len} must be at least 2 (a token to predict and one to predict it from)")
     if a.steps is not None and a.steps < 1:
         p.error(f"--steps={a.steps} must be at least 1")
     if a.save_every < 0:
         p.error(f"--save-every={a.save_every} must be >= 0 (0: checkpoint only at the end)")
+    if a.keep_last < 0:
+        p.error(f"--keep-last={a.keep_last} must be >= 0 (0: keep every checkpoint)")
     if a.data is not None and (a.n_samples is not None or a.eval_samples is not None):
         p.error("--n-samples and --eval-samples size the synthetic data; with --data the size is your text's "
                 "(use --held-out for the held-out fraction)")
@@ -145,6 +157,7 @@ def run_length(config: dict, steps: int | None) -> int:
 
 def train(a: argparse.Namespace) -> dict:
     """Hand the file's dict to the trainer, train to --steps with checkpoints, and report the run."""
+    from helpers.interrupts import holding_signals
     from helpers.runtime import process_rank, run_dir, world_size
     from helpers.trainer import AdvancedDeepSpeedTrainer
     output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
@@ -155,30 +168,39 @@ def train(a: argparse.Namespace) -> dict:
     data, held_out = own_data(a, config, world_size()) if a.data is not None else synthetic_data(a)
     # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
     compile = a.compile or bool((config.get("compile") or {}).get("deepcompile"))
-    trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
-                                       name=Path(a.config).stem, resume_from=a.resume_from, compile=compile)
-    checkpoint = _train_with_checkpoints(trainer, steps, a.save_every, output_dir / "checkpoints",
-                                         progress=process_rank() == 0)
+    with holding_signals():   # a SIGTERM or SIGINT from here on ends the run at a step boundary, saved
+        trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
+                                           name=Path(a.config).stem, resume_from=a.resume_from, compile=compile)
+        checkpoint = _train_with_checkpoints(trainer, steps, a.save_every, a.keep_last, output_dir / "checkpoints",
+                                             progress=process_rank() == 0)
     return {"config": str(a.config), "world_size": trainer.engine.world_size, "rank": process_rank(),
             "steps": trainer.step, "history": trainer.history, "eval_loss": trainer.evaluate(held_out),
             "floor_nats": data.floor_nats, "data": a.data or "synthetic Markov text", "summary": trainer.summary(), "checkpoint": str(checkpoint),
             "tensorboard": str(trainer.tensorboard_logdir), "output_dir": str(output_dir)}
 
 
-def _train_with_checkpoints(trainer, steps: int, save_every: int, directory: Path, progress: bool) -> Path:
-    """Train up to global step `steps`, checkpointing every `save_every` steps and at the end."""
+def _train_with_checkpoints(trainer, steps: int, save_every: int, keep_last: int, directory: Path,
+                            progress: bool) -> Path:
+    """Train up to global step `steps`, checkpointing every `save_every` steps, at the end, and when a
+    signal stops the run (StopRequested goes on up, once its checkpoint is complete)."""
+    from helpers.interrupts import StopRequested
     from helpers.runtime import process_rank
+    if process_rank() == 0:   # what `python -m helpers.export DIRECTORY OUT` needs beside the weights
+        directory.mkdir(parents=True, exist_ok=True)
+        trainer.engine.module.config.save_pretrained(directory)
+        trainer.tokenizer.save_pretrained(directory)
     last = None
     while trainer.step < steps:
         chunk = steps - trainer.step if not save_every else min(save_every - trainer.step % save_every,
                                                                 steps - trainer.step)
-        trainer.train(chunk, progress=progress)
-        last = trainer.save_checkpoint(directory)
+        try:
+            trainer.train(chunk, progress=progress)
+        except StopRequested as stop:
+            stop.checkpoint = trainer.save_checkpoint(directory, keep_last)
+            raise
+        last = trainer.save_checkpoint(directory, keep_last)
     if last is None:   # nothing left to train (a resumed run already at --steps): save where it stands
-        last = trainer.save_checkpoint(directory)
-    if process_rank() == 0:   # what `python -m helpers.export DIRECTORY OUT` needs beside the weights
-        trainer.engine.module.config.save_pretrained(directory)
-        trainer.tokenizer.save_pretrained(directory)
+        last = trainer.save_checkpoint(directory, keep_last)
     return last
 
 
@@ -207,6 +229,10 @@ def cli(argv=None) -> None:
         main(argv)
     except (InputError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError) as err:
         sys.exit(f"error: {err}")
+    except StopRequested as stop:   # a scheduler reads the signal from the status: 128 + its number
+        print(f"{signal.Signals(stop.signum).name}: stopped after step {stop.step}; checkpoint {stop.checkpoint} is "
+              f"complete; continue with --resume-from {stop.checkpoint.parent}", file=sys.stderr, flush=True)
+        sys.exit(128 + stop.signum)
 
 
 if __name__ == "__main__":
