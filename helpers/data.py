@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerFast
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 MAX_WORDS = 4096  # the transition matrix is dense (n_words**2 float64)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]"]
+N_WORDS = 128   # the Markov source's pseudo-words, by default
 
 
 def _cumulative(weights: np.ndarray) -> list[float]:
@@ -44,7 +45,7 @@ class MarkovSource:
     With successors == 1 the chain is a deterministic, periodic cycle: uniform pi, entropy rate 0.
     """
 
-    def __init__(self, n_words: int = 128, successors: int = 4, seed: int = 0) -> None:
+    def __init__(self, n_words: int = N_WORDS, successors: int = 4, seed: int = 0) -> None:
         if not 2 <= n_words <= MAX_WORDS:
             raise ValueError(f"n_words must be in 2..{MAX_WORDS}, got {n_words}")
         if not 1 <= successors <= n_words:
@@ -166,7 +167,7 @@ class SyntheticTextDataset(torch.utils.data.Dataset):
 
     MODES = ("markov", "random")
 
-    def __init__(self, mode: str = "markov", n_samples: int = 2048, seq_len: int = 64, n_words: int = 128,
+    def __init__(self, mode: str = "markov", n_samples: int = 2048, seq_len: int = 64, n_words: int = N_WORDS,
                  successors: int = 4, seed: int = 0, source_seed: int = 0,
                  tokenizer: PreTrainedTokenizerFast | None = None) -> None:
         if mode not in self.MODES:

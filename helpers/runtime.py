@@ -114,6 +114,12 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size() -> int:
+    """Ranks of this job on this machine: what torchrun (LOCAL_WORLD_SIZE) or the deepspeed launcher
+    (LOCAL_SIZE) announced, else the world size (every rank here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size())
+
+
 def quiet_deepspeed(level: str = "WARNING") -> None:
     """DeepSpeed logs a lot at INFO; notebooks show only warnings and errors, minus two known
     harmless ones: torch 2.13 deprecates collectives DeepSpeed 0.19 still calls, and DeepSpeed's

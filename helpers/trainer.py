@@ -19,10 +19,11 @@ from .config import micro_batch_of, validate
 from .interrupts import StopRequested, agreed_stop, holding_signals
 from .masters import master_weight_pairs
 from .precision import precision_of
+from .memory import budget
 from .memory.measured import memory_mark, peak_memory
 from .model import MODEL_SIZES, auto_model_size, build_model, enable_checkpointing, generate
-from .runtime import (detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, run_dir,
-                      world_size)
+from .runtime import (detect, init_single_process, keep_freed_memory, local_world_size, process_rank,
+                      quiet_deepspeed, run_dir, world_size)
 
 def undo_optimizer_init_step(engine) -> None:
     """Undo the step DeepSpeed 0.19's fp16/bf16 wrappers at ZeRO 0 take on zero gradients when built
@@ -60,6 +61,9 @@ class AdvancedDeepSpeedTrainer:
         self.model_size = auto_model_size(self.runtime) if model_size == "auto" else model_size
         self.seq_len, self.n_positions = train_data.seq_len, n_positions or train_data.seq_len
         self._check_model(model_size)
+        budget.check_fits(budget.run_bytes(self.config, self.model_size, self.n_positions, self.seq_len,
+                                           train_data.vocab_size, world_size(), gradient_checkpointing),
+                          self.runtime.device, local_world_size())   # before the model and engine exist
         if not isinstance(compile, bool):
             raise ValueError(f"compile={compile!r}: use True (engine.compile(), torch.compile of the model) or False")
         resume_dir = find_checkpoint(resume_from) if resume_from is not None else None

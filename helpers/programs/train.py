@@ -104,8 +104,10 @@ def check_options(a: argparse.Namespace, world_size: int) -> None:
     path = Path(a.config) if Path(a.config).is_file() else REPO_ROOT / a.config
     if not path.is_file():
         raise ConfigError(f"config file {a.config} not found (relative paths may start at the repository root)")
-    config = validate(load_json(path), device="cuda" if gpu_count() >= world_size else "cpu", world_size=world_size)
+    device = "cuda" if gpu_count() >= world_size else "cpu"
+    config = validate(load_json(path), device=device, world_size=world_size)
     check_runnable(config)
+    check_memory(a, config, world_size, device, local_ranks=world_size)   # a local launch: every rank here
     if a.data is not None:   # a data mistake (missing file, no text column, too little text) fails here too
         own_data(a, config, world_size)
 
@@ -125,11 +127,31 @@ def own_text_options(a: argparse.Namespace) -> dict:
     return {key: value for key, value in given.items() if value is not None}
 
 
+def check_memory(a: argparse.Namespace, config: dict, world_size: int, device: str, local_ranks: int) -> None:
+    """The run's memory by the formulas (helpers.memory.budget) against what is free, before any data or
+    model is built: a --seq-len of 100000 is refused in a second, not found out after minutes."""
+    from helpers.data import N_WORDS, SPECIAL_TOKENS
+    from helpers.memory import budget
+    from helpers.model import auto_model_size
+    from helpers.runtime import detect
+    size = auto_model_size(detect()) if a.model_size == "auto" else a.model_size
+    if a.data is None:   # the synthetic data's vocabulary, and its tokens, held as ids and tensors
+        vocab, tokens = N_WORDS + len(SPECIAL_TOKENS), sum(synthetic_sizes(a)) * a.seq_len
+    else:   # your text's size is known only once read: its vocabulary at most
+        vocab, tokens = a.vocab_size or 8192, 0
+    need = budget.run_bytes(config, size, a.seq_len, a.seq_len, vocab, world_size, data_tokens=tokens)
+    budget.check_fits(need, device, local_ranks, what=f"training --model-size {size} at --seq-len {a.seq_len}")
+
+
+def synthetic_sizes(a: argparse.Namespace) -> tuple[int, int]:
+    """(training, held-out) sequences of the synthetic data; a 0 given must reach the dataset's own check."""
+    return tuple(default if given is None else given for given, default in ((a.n_samples, 2048), (a.eval_samples, 256)))
+
+
 def synthetic_data(a: argparse.Namespace):
     """Markov text whose best achievable loss is known: (train, held_out), sharing one tokenizer."""
     from helpers.data import SyntheticTextDataset
-    n_train, n_held_out = [default if given is None else given   # a 0 given must reach the dataset's own check
-                           for given, default in ((a.n_samples, 2048), (a.eval_samples, 256))]
+    n_train, n_held_out = synthetic_sizes(a)
     data = SyntheticTextDataset("markov", n_samples=n_train, seq_len=a.seq_len, seed=a.seed)
     return data, SyntheticTextDataset("markov", n_samples=n_held_out, seq_len=a.seq_len, seed=a.seed + 1,
                                       tokenizer=data.tokenizer)
@@ -158,13 +180,14 @@ def run_length(config: dict, steps: int | None) -> int:
 def train(a: argparse.Namespace) -> dict:
     """Hand the file's dict to the trainer, train to --steps with checkpoints, and report the run."""
     from helpers.interrupts import holding_signals
-    from helpers.runtime import process_rank, run_dir, world_size
+    from helpers.runtime import detect, local_world_size, process_rank, run_dir, world_size
     from helpers.trainer import AdvancedDeepSpeedTrainer
     output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
     config = load_json(a.config) | {"tensorboard": {   # the one block the script owns
         "enabled": True, "output_path": str(output_dir / "tensorboard"), "job_name": Path(a.config).stem}}
     check_runnable(config)
     steps = run_length(config, a.steps)
+    check_memory(a, config, world_size(), detect().device, local_world_size())
     data, held_out = own_data(a, config, world_size()) if a.data is not None else synthetic_data(a)
     # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
     compile = a.compile or bool((config.get("compile") or {}).get("deepcompile"))
