@@ -77,3 +77,13 @@ def test_the_estimate_holds_against_the_measured_peak_of_a_run_that_fits():
     estimate = result["need"]["device"] + result["need"]["host"] + budget.OVERHEAD["cpu"]
     print(f"estimated {estimate / GB:.3f} GB, measured peak {result['peak'] / GB:.3f} GB")
     assert result["peak"] <= estimate <= 2 * result["peak"]
+
+
+@pytest.mark.parametrize("short, named", [("cuda", "GPU memory"), ("cpu", "RAM")])
+def test_on_a_gpu_both_the_gpu_and_the_host_ram_are_checked(short, named, monkeypatch):
+    """A T4 run that offloads to Colab's 12.7 GB of host RAM can fail on either side (run here on a CPU)."""
+    need = budget.run_bytes(config_for(zero_stage=2, offload_optimizer=True, device="cuda", precision="fp16"),
+                            "gpt2", 1024, 1024, 50257)
+    monkeypatch.setattr(budget, "free_bytes", lambda device: 1.0 if device == short else 1e15)
+    with pytest.raises(InputError, match=f"GB of {named} is free"):
+        budget.check_fits(need, "cuda")

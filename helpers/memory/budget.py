@@ -51,19 +51,21 @@ def free_bytes(device: str) -> int:
 
 
 def check_fits(need: dict, device: str, local_ranks: int = 1, what: str = "this run") -> None:
-    """Refuse (InputError) when `need` (run_bytes) times the ranks on this machine exceeds the free memory;
-    warn when it comes within CLOSE of it. On a CPU device and host are the same RAM."""
-    on_device = need["device"] + (need["host"] if device == "cpu" else 0) + OVERHEAD[device]
-    total = on_device * (local_ranks if device == "cpu" else 1)   # a GPU holds one rank
-    free = free_bytes(device)
+    """Refuse (InputError) when `need` (run_bytes) exceeds the free memory, warn when it comes within CLOSE of
+    it: the GPU's for its one rank, and host RAM for this machine's ranks' host bytes (offloaded states, data),
+    which on a CPU are the same RAM as the device's."""
+    host = (need["host"] + (need["device"] + OVERHEAD["cpu"] if device == "cpu" else 0)) * local_ranks
+    places = {"RAM": (host, free_bytes("cpu"))}
+    if device != "cpu":
+        places["GPU memory"] = (need["device"] + OVERHEAD[device], free_bytes(device))
     detail = (f"{need['model_states'] / GB:.2f} GB model states + {need['activations'] / GB:.2f} GB activations"
-              + (f" + {need['host'] / GB:.2f} GB host" if device == "cpu" else "")
-              + f" + {OVERHEAD[device] / GB:.1f} GB overhead"
-              + f" per rank{f' x {local_ranks} ranks' if device == 'cpu' and local_ranks > 1 else ''}")
-    message = (f"{what} needs about {total / GB:.1f} GB ({detail}, {need['params']:,} parameters) and "
-               f"{free / GB:.1f} GB of {'RAM' if device == 'cpu' else 'GPU memory'} is free")
-    if total > free:
-        raise InputError(f"{message}: use a shorter sequence length, a smaller micro-batch or model size, "
-                         "gradient checkpointing, or a higher ZeRO stage / offload on more ranks")
-    if total > CLOSE * free:
-        warnings.warn(f"{message}: close to the limit; it may swap or be killed", ResourceWarning, stacklevel=3)
+              f" + {need['host'] / GB:.2f} GB host + {OVERHEAD[device] / GB:.1f} GB overhead per rank"
+              + (f", {local_ranks} ranks on this machine" if local_ranks > 1 else ""))
+    for place, (total, free) in places.items():
+        message = (f"{what} needs about {total / GB:.1f} GB of {place} ({detail}; {need['params']:,} parameters) and "
+                   f"{free / GB:.1f} GB of {place} is free")
+        if total > free:
+            raise InputError(f"{message}: use a shorter sequence length, a smaller micro-batch or model size, "
+                             "gradient checkpointing, or a higher ZeRO stage / offload on more ranks")
+        if total > CLOSE * free:
+            warnings.warn(f"{message}: close to the limit; it may swap or be killed", ResourceWarning, stacklevel=3)
