@@ -18,6 +18,16 @@ from tests.trainers import make_trainer
 STEPS, ACCUM = 6, 2
 
 
+@pytest.fixture(autouse=True)
+def python_handlers():
+    """Python's own SIGINT/SIGTERM handlers for each test: what ran before in this process may have left others."""
+    own = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    previous = {s: signal.signal(s, handler) for s, handler in own.items()}
+    yield
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
 @pytest.fixture(scope="module")
 def data():
     return SyntheticTextDataset("markov", n_samples=128, seq_len=16, seed=0)
