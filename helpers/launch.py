@@ -122,7 +122,7 @@ def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir:
     all run on the CPU with gloo. Raises RankFailedError naming the failed rank, with its traceback (on a
     timeout, after killing every process it started)."""
     _validate(module, n_ranks, launcher)
-    for attempt in range(PORT_ATTEMPTS):
+    for _ in range(PORT_ATTEMPTS):
         out = fresh_out_dir(out_dir)
         port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it
         cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]

@@ -22,8 +22,11 @@ DATA_BYTES_PER_TOKEN = 8 * 3   # int64 ids in the token table, the torch tensors
 
 
 def offload_of(config: dict) -> str:
+    """The planner's name for where the config puts the states. An offload block with device "none" moves nothing;
+    parameters offloaded alone are counted as the planner's optimizer+params (it has no parameters-only plan)."""
     zero = config.get("zero_optimization") or {}
-    return ("optimizer+params" if "offload_param" in zero else "optimizer") if "offload_optimizer" in zero else "none"
+    moved = {k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device", "none") != "none"}
+    return "optimizer+params" if "offload_param" in moved else "optimizer" if moved else "none"
 
 
 def run_bytes(config: dict, model_size: str, n_positions: int, seq_len: int, vocab_size: int, world_size: int = 1,
@@ -46,8 +49,10 @@ def free_bytes(device: str) -> int:
     if device == "cpu":
         import psutil
         return psutil.virtual_memory().available
+    import os
     import torch
-    return torch.cuda.mem_get_info()[0]
+    # This rank's GPU: before the engine exists torch's current device is still GPU 0 on every rank.
+    return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
 
 
 def check_fits(need: dict, device: str, local_ranks: int = 1, what: str = "this run") -> None:
