@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import io
 import importlib.util
 import json
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from helpers import REPO_ROOT, with_repo_on_path
-from helpers.errors import require_positive_int
+from helpers.errors import InputError, require_positive_int
 from helpers.precision import CPU_BF16_FLAGS, PRECISION_ENV, cpu_flags, cpu_matmul_speeds
 from helpers.runtime import free_port, process_rank
 
@@ -100,10 +101,13 @@ def checked_flags(program: str, n_ranks: int, launcher: str, out_dir, options: d
     _validate(module, n_ranks, launcher)
     code = importlib.import_module(module)
     args = flags(options)
+    said = io.StringIO()
     try:
-        parsed = code.parse(["--out", str(out_dir), *args])
-    except SystemExit:   # argparse has printed what is wrong
-        raise ValueError(f"bad options {options} for {program} (see `python -m {module} --help`)") from None
+        with contextlib.redirect_stderr(said):
+            parsed = code.parse(["--out", str(out_dir), *args])
+    except SystemExit:   # argparse's last line says what is wrong: "prog: error: argument --lr: ..."
+        why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        raise InputError(f"bad options {options} for {program}: {why} (see `python -m {module} --help`)") from None
     if hasattr(code, "check_options"):
         code.check_options(parsed, n_ranks)
     return module, args

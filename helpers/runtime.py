@@ -65,6 +65,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: str) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", int(port)))
+        except OSError:
+            return False
+        return True
+
+
 def init_single_process() -> dict[str, str]:
     """Make this (notebook) process a 1-rank distributed job, as a launcher would (without these variables
     `deepspeed.initialize` falls back to MPI discovery). Only missing ones are set, and an existing group
@@ -75,7 +84,10 @@ def init_single_process() -> dict[str, str]:
         defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
         for key, value in defaults.items():
             os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if "MASTER_PORT" not in os.environ or (os.environ["WORLD_SIZE"] == "1" and not port_is_free(os.environ["MASTER_PORT"])):
+            # a 1-rank job's port is its own: one inherited from a process that holds it (a notebook kernel
+            # running `!python -m helpers.programs.train`) would end in EADDRINUSE
+            os.environ["MASTER_PORT"] = str(free_port())
         with silenced_stderr():   # DeepSpeed probes every op once here; the libaio link test's error is noise
             import deepspeed.ops
             deepspeed.ops.__compatible_ops__

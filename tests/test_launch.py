@@ -1,12 +1,14 @@
 """helpers.launch: N real ranks on this machine, their results back as data, failures named."""
 import json
+import re
 import socket
 import time
 
 import psutil
 import pytest
 
-from helpers.launch import RankFailedError, launch
+from helpers.errors import InputError
+from helpers.launch import RankFailedError, launch, run_program
 
 ECHO = "tests.rank_programs.echo"
 
@@ -82,6 +84,34 @@ def test_bad_inputs_fail_before_anything_starts(tmp_path, kwargs, problem):
     with pytest.raises((ValueError, ModuleNotFoundError), match=problem):
         launch(**kwargs, out_dir=out)
     assert not out.exists()
+
+
+# A number a rank would only trip over later (a NaN learning rate trains NaN losses; a 0 sequence length fails
+# deep in the model) is refused by the program's parser before any rank starts, naming the flag.
+@pytest.mark.parametrize("program, options, message", [
+    ("zero_stages", {"stages": [1], "lr": float("nan")}, "argument --lr: nan must be a finite number > 0"),
+    ("comm_dtype", {"lr": float("inf")}, "argument --lr: inf must be a finite number > 0"),
+    ("moe", {"aux_loss_coef": float("nan")}, "argument --aux-loss-coef: nan must be a finite number >= 0"),
+    ("moe", {"capacity_factor": -1.0}, "argument --capacity-factor: -1.0 must be a finite number > 0"),
+    ("pipeline", {"grad_clip": float("-inf")}, "argument --grad-clip: -inf must be a finite number >= 0"),
+    ("pipeline", {"steps": 1}, "argument --steps: 1 must be at least 2 (the first is warm-up)"),
+    ("zero_stages", {"stages": [4]}, "argument --stages: invalid choice: 4"),
+    ("comm_dtype", {"model_size": "smal"}, "argument --model-size: invalid choice: 'smal'"),
+    ("train", {"config": "configs/zero0.json", "seq_len": 0}, "argument --seq-len: 0 must be at least 2"),
+    ("train", {"config": "configs/zero0.json", "n_samples": 0}, "argument --n-samples: 0 must be at least 1"),
+])
+def test_a_bad_number_is_named_before_any_rank_starts(tmp_path, program, options, message):
+    out = tmp_path / "never_created"
+    with pytest.raises(InputError, match=re.escape(f"for {program}: {message}")):
+        run_program(program, 2, out_dir=out, **options)
+    assert not out.exists()
+
+
+def test_an_output_folder_that_is_a_file_is_named_before_any_rank_starts(tmp_path):
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(InputError, match=f"--output-dir {tmp_path}/taken/run: {tmp_path}/taken is a file; name a folder"):
+        run_program("train", 2, out_dir=tmp_path / "never", config="configs/zero0.json",
+                    output_dir=tmp_path / "taken" / "run")
 
 
 def test_deepspeed_launcher_works_on_cpu(tmp_path):

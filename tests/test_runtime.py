@@ -83,6 +83,18 @@ def test_single_process_env_fills_only_what_is_missing():
     assert got["second"] == first                      # a re-run changes nothing, the port included
 
 
+def test_a_one_rank_job_does_not_take_an_inherited_port_another_process_listens_on():
+    """`!python -m helpers.programs.train` in a notebook inherits the kernel's MASTER_PORT, which the kernel's
+    own process group still listens on: the script's one rank must pick another, not fail with EADDRINUSE."""
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = str(held.getsockname()[1])
+        got = run_fresh(SETUP_TWICE, MASTER_PORT=taken)
+    assert got["first"]["MASTER_PORT"] != taken and got["first"]["WORLD_SIZE"] == "1"
+
+
 FORCED = """
 import json
 from helpers.runtime import detect

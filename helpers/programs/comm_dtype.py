@@ -22,6 +22,7 @@ import torch
 from helpers import comms
 from helpers.config import ConfigError, build_config
 from helpers.data import SyntheticTextDataset
+from helpers.errors import integer, number
 from helpers.launch import write_result
 from helpers.memory.measured import measurement_zero_extra
 from helpers.model import MODEL_SIZES, gpt2_param_count
@@ -44,18 +45,18 @@ def parse(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--dtypes", nargs="+", choices=COMM_DTYPES, default=["fp32", "bf16"],
                    help="communication_data_type values, run one after another")
-    p.add_argument("--stage", type=int, default=0, help="ZeRO stage (all of 0-3 honour the setting)")
+    p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (all of 0-3 honour the setting)")
     p.add_argument("--precision", default="fp32", help="training precision; fp32 so the dtypes differ")
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=integer(1), default=24)
+    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
+    p.add_argument("--seq-len", type=integer(2), default=64)
+    p.add_argument("--micro-batch", type=integer(1), default=4)
+    p.add_argument("--grad-accum", type=integer(1), default=1)
+    p.add_argument("--lr", type=number(), default=3e-3)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--zeropp", nargs="*", choices=ZEROPP_FEATURES, default=None,
                    help="instead: one ZeRO++ trial at stage 3 with these features")
-    p.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size for the 'hpz' feature")
+    p.add_argument("--hpz", type=integer(1), default=1, help="zero_hpz_partition_size for the 'hpz' feature")
     return p.parse_args(argv)
 
 

@@ -22,6 +22,7 @@ from helpers import comms, moe
 from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
+from helpers.errors import integer, number
 from helpers.launch import write_result
 from helpers.runtime import detect, init_single_process, quiet_deepspeed
 from helpers.model import MODEL_SIZES, build_model
@@ -30,19 +31,19 @@ from helpers.model import MODEL_SIZES, build_model
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--num-experts", type=int, default=4)
-    p.add_argument("--ep-size", type=int, default=2, help="ranks that share one set of experts")
-    p.add_argument("--k", type=int, default=1, help="experts per token (top-k routing)")
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--zero-stage", type=int, default=1, help="0, 1 or 2: ZeRO 3 refuses DeepSpeed's MoE layers")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--aux-loss-coef", type=float, default=0.01)
-    p.add_argument("--capacity-factor", type=float, default=1.0)
+    p.add_argument("--num-experts", type=integer(1), default=4)
+    p.add_argument("--ep-size", type=integer(1), default=2, help="ranks that share one set of experts")
+    p.add_argument("--k", type=integer(1), default=1, help="experts per token (top-k routing)")
+    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
+    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2), help="0, 1 or 2: ZeRO 3 refuses DeepSpeed's MoE layers")
+    p.add_argument("--steps", type=integer(1), default=30)
+    p.add_argument("--seq-len", type=integer(2), default=64)
+    p.add_argument("--micro-batch", type=integer(1), default=8)
+    p.add_argument("--lr", type=number(), default=3e-3)
+    p.add_argument("--aux-loss-coef", type=number(strict=False), default=0.01)
+    p.add_argument("--capacity-factor", type=number(), default=1.0)
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     return p.parse_args(argv)
 
 

@@ -26,6 +26,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from helpers.config import build_config
 from helpers.data import SyntheticTextDataset
+from helpers.errors import integer, number
 from helpers.launch import write_result
 from helpers.model import MODEL_SIZES
 from helpers.pipeline import STAGES, layer_param_formula, stage_param_formula
@@ -39,17 +40,17 @@ TIED_KEY = "token_embedding"   # the input embedding and the LM head share one w
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="m values, one after another")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per m (the first is warm-up)")
+    p.add_argument("--micro-batches", type=integer(1), nargs="+", default=[1, 2, 4, 8], help="m values, one after another")
+    p.add_argument("--steps", type=integer(2, "the first is warm-up"), default=8, help="optimizer steps per m (the first is warm-up)")
     p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
-    p.add_argument("--n-layer", type=int, default=None, help="override the size's number of blocks")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--grad-clip", type=float, default=0.0, help="0 = off; see CLIPPING below for why")
+    p.add_argument("--n-layer", type=integer(1), default=None, help="override the size's number of blocks")
+    p.add_argument("--seq-len", type=integer(2), default=64)
+    p.add_argument("--micro-batch", type=integer(1), default=4, help="samples per micro-batch")
+    p.add_argument("--lr", type=number(), default=3e-3)
+    p.add_argument("--grad-clip", type=number(strict=False), default=0.0, help="0 = off; see CLIPPING below for why")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1), help="the pipeline engine allows <= 1")
     p.add_argument("--partition-method", default="parameters", choices=PARTITION_METHODS)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--unsplit", action="store_true", help="train the whole model on one rank instead")
     return p.parse_args(argv)
 
@@ -60,8 +61,6 @@ def check_options(a, world_size: int) -> None:
         bubble_fraction(STAGES, m)
     if len(set(a.micro_batches)) != len(a.micro_batches):
         raise ValueError(f"micro_batches={a.micro_batches!r} repeats a value: list each m once")
-    if a.steps < 2:
-        raise ValueError(f"steps={a.steps}: need at least 2 (the first is a warm-up)")
     if world_size != (1 if a.unsplit else STAGES):
         raise ValueError(f"{'--unsplit' if a.unsplit else 'the pipeline'} runs on {1 if a.unsplit else STAGES} "
                          f"rank(s), not {world_size}")

@@ -28,24 +28,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
 
 from helpers.checkpoints import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from helpers.config import ConfigError, load_json, micro_batch_of, validate
-from helpers.errors import InputError
+from helpers.errors import InputError, integer
 from helpers.interrupts import StopRequested
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="a DeepSpeed JSON config, e.g. configs/zero2.json")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=integer(1), default=None,
                    help="train until this optimizer step (default: the schedule's total_num_steps); "
                         "a resumed run continues up to it")
     p.add_argument("--model-size", default="tiny", choices=("tiny", "small", "base", "gpt2", "auto"))
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=integer(2, "a token to predict and one to predict it from"), default=64)
     p.add_argument("--data", default=None,
                    help="your own text: a text file, a folder of text files, a dataset saved with "
                         "Dataset.save_to_disk, or a dataset name on the Hugging Face hub (online only); "
@@ -54,38 +55,32 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--text-column", help="with --data: the column that holds the text (default: text)")
     p.add_argument("--tokenizer", help="with --data: 'word-level' (the default: trained on your text here), a "
                                        "folder written by save_pretrained, or a tokenizer name on the hub (online only)")
-    p.add_argument("--vocab-size", type=int,
+    p.add_argument("--vocab-size", type=integer(4, "3 ids are [PAD], [UNK], [EOS]"),
                    help="with --data and the word-level tokenizer: keep the most frequent words (default 8192)")
     p.add_argument("--held-out", type=float,
                    help="with --data: the fraction of rows held out for the final eval loss, drawn by --seed (default 0.1)")
-    p.add_argument("--n-samples", type=int, default=None, help="synthetic data only: training sequences (default 2048)")
-    p.add_argument("--eval-samples", type=int, default=None,
+    p.add_argument("--n-samples", type=integer(1), default=None, help="synthetic data only: training sequences (default 2048)")
+    p.add_argument("--eval-samples", type=integer(1), default=None,
                    help="synthetic data only: held-out sequences for the final eval loss (default 256)")
     p.add_argument("--output-dir", default=None, help="default: --out if given, else runs/train/<config name>")
     p.add_argument("--resume-from", default=None, help="a checkpoints directory written by an earlier run, or one checkpoint's own folder "
                                                        "(e.g. the output of ds_to_universal)")
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every K steps (0: only at the end)")
-    p.add_argument("--keep-last", type=int, default=3,
+    p.add_argument("--save-every", type=integer(0), default=0, help="also checkpoint every K steps (0: only at the end)")
+    p.add_argument("--keep-last", type=integer(0), default=3,
                    help="keep the newest K checkpoints, delete older ones after each save (0: keep all)")
     p.add_argument("--compile", action="store_true",
                    help="compile the model (DeepSpeed's engine.compile(), torch.compile): the first step "
                         "compiles (20-40 s for a small model on a 2-core CPU), later ones run faster; implied "
                         "by compile.deepcompile=true in the file (DeepCompile, CUDA only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--out", default=None, help="also write each rank's result as OUT/rank<N>.json "
                                                "(what helpers.launch.run_program reads)")
     # The deepspeed launcher passes --local_rank unless told --no_local_rank; LOCAL_RANK is in the
     # environment either way, so it is accepted and ignored.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.seq_len < 2:
-        p.error(f"--seq-len={a.seq_len} must be at least 2 (a token to predict and one to predict it from)")
-    if a.steps is not None and a.steps < 1:
-        p.error(f"--steps={a.steps} must be at least 1")
-    if a.save_every < 0:
-        p.error(f"--save-every={a.save_every} must be >= 0 (0: checkpoint only at the end)")
-    if a.keep_last < 0:
-        p.error(f"--keep-last={a.keep_last} must be >= 0 (0: keep every checkpoint)")
+    for flag in ("output_dir", "out"):
+        check_writable_dir(p, flag, getattr(a, flag))
     if a.data is not None and (a.n_samples is not None or a.eval_samples is not None):
         p.error("--n-samples and --eval-samples size the synthetic data; with --data the size is your text's "
                 "(use --held-out for the held-out fraction)")
@@ -93,6 +88,18 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"{', '.join('--' + k.replace('_', '-') for k in own_text_options(a))} only apply to your own "
                 "text: add --data FILE_OR_FOLDER")
     return a
+
+
+def check_writable_dir(p: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    """A folder the run can create or write into: an existing file, or a file on the way to it, would fail only
+    once DeepSpeed writes its first TensorBoard event or checkpoint."""
+    if path is None:
+        return
+    existing = next(q for q in (Path(path).absolute(), *Path(path).absolute().parents) if q.exists())
+    if not existing.is_dir():
+        p.error(f"--{flag.replace('_', '-')} {path}: {existing} is a file; name a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        p.error(f"--{flag.replace('_', '-')} {path}: {existing} is not writable; name a folder you can write to")
 
 
 def check_options(a: argparse.Namespace, world_size: int) -> None:
@@ -144,7 +151,7 @@ def check_memory(a: argparse.Namespace, config: dict, world_size: int, device: s
 
 
 def synthetic_sizes(a: argparse.Namespace) -> tuple[int, int]:
-    """(training, held-out) sequences of the synthetic data; a 0 given must reach the dataset's own check."""
+    """(training, held-out) sequences of the synthetic data."""
     return tuple(default if given is None else given for given, default in ((a.n_samples, 2048), (a.eval_samples, 256)))
 
 

@@ -20,10 +20,11 @@ from helpers import comms
 from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
+from helpers.errors import integer, number
 from helpers.launch import flags, write_result
 from helpers.memory.measured import (held_while_accumulating, measurement_zero_extra, peak_memory, split_by_side,
                                      zero2_overhang_bytes)
-from helpers.model import build_model
+from helpers.model import MODEL_SIZES, build_model
 from helpers.precision import PRECISIONS
 from helpers.runtime import detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, world_size
 from helpers.trainer import undo_optimizer_init_step
@@ -32,26 +33,20 @@ from helpers.trainer import undo_optimizer_init_step
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--stages", type=int, nargs="+", required=True, help="run one after another")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--grad-accum", type=int, default=2,
-                   help=">= 2: see helpers.memory.measured.held_while_accumulating")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stages", type=int, nargs="+", required=True, choices=(0, 1, 2, 3), help="run one after another")
+    p.add_argument("--steps", type=integer(3, "a warm-up, a logged and a timed step"), default=20)
+    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
+    p.add_argument("--seq-len", type=integer(2), default=64)
+    p.add_argument("--micro-batch", type=integer(1), default=4)
+    p.add_argument("--grad-accum", type=integer(2, "see helpers.memory.measured.held_while_accumulating"), default=2)
+    p.add_argument("--lr", type=number(), default=3e-3)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--precision", choices=list(PRECISIONS), help="default: the one this machine's rule picks")
     p.add_argument("--paper-comm", action="store_true",
                    help="configure ZeRO-2/3 communication as the paper describes it (see notebook 04)")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="ZeRO-Offload: optimizer state and its step on the host (stages 1-3; notebook 05)")
-    a = p.parse_args(argv)
-    if a.steps < 3:
-        p.error(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
-    if a.grad_accum < 2:
-        p.error(f"--grad-accum={a.grad_accum}: need at least 2 (see helpers.memory.measured.held_while_accumulating)")
-    return a
+    return p.parse_args(argv)
 
 
 # DeepSpeed's defaults differ from the paper's algorithm in two places (measured in notebook 04):
