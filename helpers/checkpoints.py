@@ -36,7 +36,11 @@ def save(engine, directory: str | Path, tag: str, client_state: dict, keep_last:
     but the newest `keep_last` checkpoints (0: keep all)."""
     import torch.distributed as dist
     directory = Path(directory)
-    engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+    # Below ZeRO 3 DeepSpeed writes rank 0's client_state only: the other ranks' own (their losses) go in it too.
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, client_state)
+    engine.save_checkpoint(str(directory), tag=tag, client_state={**client_state, "every_rank": every_rank},
+                           save_latest=False)
     dist.barrier()   # every rank's files are on disk before any rank may call the checkpoint complete
     if dist.get_rank() == 0:
         write_latest(directory, tag)
@@ -187,14 +191,17 @@ def available_tags(directory: Path) -> list[str]:
 
 def load(engine, tag_dir: Path) -> dict:
     """DeepSpeed's load_checkpoint, with its two quiet failures made loud: it returns (None, None) with
-    only a warning when it finds nothing, and raises unpickling errors that do not say which checkpoint."""
+    only a warning when it finds nothing, and raises unpickling errors that do not say which checkpoint.
+    The client_state returned is this rank's own, as it saved it."""
+    import torch.distributed as dist
     try:
         path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise unreadable(tag_dir, err) from err
     if path is None:   # DeepSpeed only warns here; a fresh start would lose the run
         raise CheckpointNotFoundError(f"DeepSpeed could not load a checkpoint from {tag_dir}")
-    return client_state
+    every_rank = client_state.get("every_rank") or []   # rank 0's alone on other ranks than the save's
+    return every_rank[dist.get_rank()] if len(every_rank) == dist.get_world_size() else client_state
 
 
 def unreadable(tag_dir: Path, err: Exception) -> CheckpointCorruptError:

@@ -16,6 +16,11 @@ class DataError(InputError):
     """Text or a dataset that cannot be trained on as given (missing, empty, too short). The message says why."""
 
 
+class CostWarning(UserWarning):
+    """A run that will start but may run out of memory or take minutes to set up. A UserWarning, which Python
+    shows by default: a ResourceWarning is hidden unless asked for (-W default)."""
+
+
 def require_positive_int(name: str, value) -> None:
     """Raise ConfigError (a ValueError) naming `name` unless `value` is an int >= 1 (a bool is not a count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -130,7 +130,7 @@ def launch(module: str, n_ranks: int, args: list[str] | None = None, *, out_dir:
         out = fresh_out_dir(out_dir)
         port = str(free_port())   # never a fixed port: an earlier or parallel run may still hold it
         cmd = LAUNCHERS[launcher](module, n_ranks, port, out / "logs") + ["--out", str(out), *(args or [])]
-        returncode = _run(cmd, child_env(like_ranks or n_ranks), out / "logs" / "launcher.log", timeout)
+        returncode = _run(cmd, child_env(like_ranks or n_ranks), out / "logs" / "launcher.log", timeout, module)
         if returncode == 0 or not _port_was_taken(out / "logs"):
             break
     _raise_if_failed(returncode, out, n_ranks, launcher, timeout)
@@ -187,7 +187,7 @@ def _validate(module: str, n_ranks: int, launcher: str) -> None:
         raise ModuleNotFoundError(f"experiment module {module!r} is not importable (check the name and sys.path)")
 
 
-def _run(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> int | None:
+def _run(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float, module: str) -> int | None:
     """The launcher's exit code, or None when it ran past the timeout (everything is then killed)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -196,9 +196,37 @@ def _run(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) ->
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
-        finally:   # on a timeout, or an interrupted notebook cell, no rank may outlive this call
+        except KeyboardInterrupt:   # the notebook's Stop: the ranks stop as after Ctrl-C (the script saves first)
+            interrupt_ranks(proc, module, log_path.parent)
+            raise
+        finally:   # on a timeout, a second Stop, or a rank that does not stop, none may outlive this call
             if proc.poll() is None:
                 kill_tree(proc)
+
+
+STOP_GRACE_S = 60   # for the ranks to finish their step and save, after the notebook's Stop
+
+
+def ranks_of(proc: subprocess.Popen, module: str) -> list[psutil.Process]:
+    """The rank processes of a job started by `proc`: those running `module`, below the launchers."""
+    launchers = {"torch.distributed.run", "deepspeed.launcher.launch", "deepspeed.launcher.runner"}
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if module in p.cmdline() and not launchers & set(p.cmdline())]
+
+
+def interrupt_ranks(proc: subprocess.Popen, module: str, logs: Path) -> None:
+    """SIGINT to each rank (neither launcher passes a SIGINT on), then wait for the job to end and print what
+    the ranks said on stopping (where helpers.programs.train saved). A second Stop during the wait, or
+    STOP_GRACE_S, ends it with kill_tree."""
+    ranks = ranks_of(proc, module)
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.send_signal(signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    said = {line for p in logs.rglob("*.log") for line in p.read_text(errors="replace").splitlines()
+            if ": stopped after step" in line}
+    print(f"Stop: SIGINT sent to {len(ranks)} rank(s)", *sorted(said), sep="\n", file=sys.stderr)
 
 
 def _raise_if_failed(returncode: int | None, out: Path, n_ranks: int, launcher: str, timeout: float) -> None:

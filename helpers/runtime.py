@@ -84,9 +84,11 @@ def init_single_process() -> dict[str, str]:
         defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
         for key, value in defaults.items():
             os.environ.setdefault(key, value)
-        if "MASTER_PORT" not in os.environ or (os.environ["WORLD_SIZE"] == "1" and not port_is_free(os.environ["MASTER_PORT"])):
-            # a 1-rank job's port is its own: one inherited from a process that holds it (a notebook kernel
-            # running `!python -m helpers.programs.train`) would end in EADDRINUSE
+        if "MASTER_PORT" not in os.environ or (os.environ["WORLD_SIZE"] == "1" and "TORCHELASTIC_RUN_ID" not in os.environ
+                                               and not port_is_free(os.environ["MASTER_PORT"])):
+            # a 1-rank job's port is its own (except under torchrun, whose agent listens on it for the rank):
+            # one inherited from a process that holds it (a notebook kernel running
+            # `!python -m helpers.programs.train`) would end in EADDRINUSE
             os.environ["MASTER_PORT"] = str(free_port())
         with silenced_stderr():   # DeepSpeed probes every op once here; the libaio link test's error is noise
             import deepspeed.ops

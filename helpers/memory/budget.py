@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 
 from ..config import micro_batch_of, zero_stage_of
-from ..errors import InputError
+from ..errors import CostWarning, InputError
 from ..precision import ELEMENT_BYTES, precision_of
 from .formulas import GB, activation_bytes
 from .planner import OVERHEAD_GB, model_state_bytes
@@ -73,4 +73,4 @@ def check_fits(need: dict, device: str, local_ranks: int = 1, what: str = "this 
             raise InputError(f"{message}: use a shorter sequence length, a smaller micro-batch or model size, "
                              "gradient checkpointing, or a higher ZeRO stage / offload on more ranks")
         if total > CLOSE * free:
-            warnings.warn(f"{message}: close to the limit; it may swap or be killed", ResourceWarning, stacklevel=3)
+            warnings.warn(f"{message}: close to the limit; it may swap or be killed", CostWarning, stacklevel=3)

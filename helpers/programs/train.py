@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from helpers.checkpoints import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
@@ -114,7 +115,7 @@ def check_options(a: argparse.Namespace, world_size: int) -> None:
     device = "cuda" if gpu_count() >= world_size else "cpu"
     config = validate(load_json(path), device=device, world_size=world_size)
     check_runnable(config)
-    check_memory(a, config, world_size, device, local_ranks=world_size)   # a local launch: every rank here
+    check_cost(a, config, world_size, device, local_ranks=world_size)   # a local launch: every rank here
     if a.data is not None:   # a data mistake (missing file, no text column, too little text) fails here too
         own_data(a, config, world_size)
 
@@ -134,11 +135,19 @@ def own_text_options(a: argparse.Namespace) -> dict:
     return {key: value for key, value in given.items() if value is not None}
 
 
-def check_memory(a: argparse.Namespace, config: dict, world_size: int, device: str, local_ranks: int) -> None:
+# Synthetic data that takes longer than this to generate is warned about before it starts; below TIMED_TOKENS
+# (seconds on any CPU: 12 s on a 2-core EPYC) it is not timed, which would cost every run a second.
+SLOW_DATA_S, TIMED_TOKENS = 60, 4_000_000
+
+
+def check_cost(a: argparse.Namespace, config: dict, world_size: int, device: str, local_ranks: int) -> None:
     """The run's memory by the formulas (helpers.memory.budget) against what is free, before any data or
-    model is built: a --seq-len of 100000 is refused in a second, not found out after minutes."""
-    from helpers.data import N_WORDS, SPECIAL_TOKENS
+    model is built: a --seq-len of 100000 is refused in a second, not found out after minutes. Synthetic
+    data that would take minutes to generate is warned about, with the time measured on a sample."""
+    from helpers.data import N_WORDS, SPECIAL_TOKENS, generation_seconds
+    from helpers.errors import CostWarning
     from helpers.memory import budget
+    from helpers.runtime import process_rank
     from helpers.model import auto_model_size
     from helpers.runtime import detect
     size = auto_model_size(detect()) if a.model_size == "auto" else a.model_size
@@ -148,6 +157,13 @@ def check_memory(a: argparse.Namespace, config: dict, world_size: int, device: s
         vocab, tokens = a.vocab_size or 8192, 0
     need = budget.run_bytes(config, size, a.seq_len, a.seq_len, vocab, world_size, data_tokens=tokens)
     budget.check_fits(need, device, local_ranks, what=f"training --model-size {size} at --seq-len {a.seq_len}")
+    n = sum(synthetic_sizes(a))
+    if a.data is None and n * a.seq_len > TIMED_TOKENS and process_rank() == 0:
+        seconds = generation_seconds(n, a.seq_len)
+        if seconds > SLOW_DATA_S:
+            warnings.warn(f"generating {n:,} synthetic sequences of --seq-len {a.seq_len} takes about "
+                          f"{seconds / 60:.0f} min here (a sample timed and scaled): fewer --n-samples start sooner, "
+                          "and training repeats them in epochs", CostWarning, stacklevel=2)
 
 
 def synthetic_sizes(a: argparse.Namespace) -> tuple[int, int]:
@@ -194,7 +210,7 @@ def train(a: argparse.Namespace) -> dict:
         "enabled": True, "output_path": str(output_dir / "tensorboard"), "job_name": Path(a.config).stem}}
     check_runnable(config)
     steps = run_length(config, a.steps)
-    check_memory(a, config, world_size(), detect().device, local_world_size())
+    check_cost(a, config, world_size(), detect().device, local_world_size())
     data, held_out = own_data(a, config, world_size()) if a.data is not None else synthetic_data(a)
     # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
     compile = a.compile or bool((config.get("compile") or {}).get("deepcompile"))
