@@ -131,8 +131,9 @@ def test_synthetic_size_flags_with_data_and_data_flags_without_it_are_refused(ca
     with pytest.raises(SystemExit):
         program.parse(["--config", "configs/zero2.json", "--tokenizer", "gpt2", "--held-out", "0.2"])
     assert "--tokenizer, --held-out only apply to your own text: add --data" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="n_samples must be >= 1"):   # 0 is refused, not read as "the default"
-        program.synthetic_data(program.parse(["--config", "configs/zero2.json", "--n-samples", "0"]))
+    with pytest.raises(SystemExit):   # 0 is refused, not read as "the default"
+        program.parse(["--config", "configs/zero2.json", "--n-samples", "0"])
+    assert "argument --n-samples: 0 must be at least 1" in capsys.readouterr().err
 
 
 def test_a_data_mistake_is_one_line_from_the_script(tmp_path):

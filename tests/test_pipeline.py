@@ -172,7 +172,7 @@ def test_unknown_partition_method_is_named():
         build_pipeline(gpt2_layer_specs(CONFIG), 1, partition_method="type:Block")
 
 
-@pytest.mark.parametrize("micro_batches, problem", [((0,), "micro_batches=0"), ((2, 2), "repeats a value")])
+@pytest.mark.parametrize("micro_batches, problem", [((0,), "argument --micro-batches: 0 must be at least 1"), ((2, 2), "repeats a value")])
 def test_run_rejects_bad_micro_batches_before_launching(tmp_path, micro_batches, problem):
     with pytest.raises(ValueError, match=problem):
         pipeline.run(micro_batches, out_dir=tmp_path)
