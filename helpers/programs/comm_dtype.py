@@ -116,6 +116,7 @@ def main(argv=None):
         write_result(a.out, {"runs": [run_dtype(a, d, data, n_params) for d in a.dtypes]})
     if torch.distributed.is_initialized():   # not when the validator refused before any engine
         torch.distributed.barrier()
+        torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 # ---- ZeRO++: quantized weights (qwZ), hierarchical partitioning (hpZ), quantized gradients (qgZ) ----

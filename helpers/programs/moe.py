@@ -261,6 +261,7 @@ def main(argv=None):
     for engine, _ in runs.values():
         engine.destroy()
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 if __name__ == "__main__":

@@ -270,6 +270,7 @@ def main(argv=None):
         "layer_param_formula": layer_param_formula(config),
         "data_sha1": hashlib.sha1(data[:]["input_ids"].numpy().tobytes()).hexdigest()})
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 if __name__ == "__main__":

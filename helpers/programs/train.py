@@ -273,12 +273,22 @@ def cli(argv=None) -> None:
     exit status 1, not a traceback; anything else is a bug and keeps its traceback."""
     try:
         main(argv)
+        end_process_group()
     except (InputError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError) as err:
         sys.exit(f"error: {err}")
     except StopRequested as stop:   # a scheduler reads the signal from the status: 128 + its number
         print(f"{signal.Signals(stop.signum).name}: stopped after step {stop.step}; checkpoint {stop.checkpoint} is "
               f"complete; continue with --resume-from {stop.checkpoint.parent}", file=sys.stderr, flush=True)
+        end_process_group()
         sys.exit(128 + stop.signum)
+
+
+def end_process_group() -> None:
+    """Every rank is past its last collective: end the group while Python is alive, since gloo's threads
+    left running at exit can abort the interpreter (SIGABRT, "terminate called without an active exception")."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

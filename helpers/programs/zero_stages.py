@@ -146,6 +146,7 @@ def main(argv=None):
     data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
     write_result(a.out, {"stages": [run_stage(a, {"stage": s}, data, rt) for s in a.stages]})
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 if __name__ == "__main__":

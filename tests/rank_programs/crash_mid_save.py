@@ -36,3 +36,4 @@ if a.phase == "crash":
         torch.save = disk_full
     trainer.save_checkpoint(checkpoints)   # rank 1 raises; rank 0 waits at the barrier until stopped
 write_result(a.out, {"step": trainer.step, "position": trainer.batches.position})
+torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)

@@ -72,6 +72,7 @@ def main(argv=None):
     data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
     write_result(a.out, {"phase": a.phase, "stages": [run_stage(a, s, data) for s in a.stages]})
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 if __name__ == "__main__":
