@@ -54,6 +54,13 @@ def stop_logging() -> dict:
     """Stop recording; return {op: {msg_size_bytes: count}} for what was recorded."""
     import deepspeed.comm as dist
     dist.comms_logger.enabled = False
+    return logged()
+
+
+def logged() -> dict:
+    """What DeepSpeed's comms logger recorded since its last `reset_data()`, as {op: {msg_size_bytes: count}}
+    (switched on by the config's `comms_logger` block, or by `start_logging`)."""
+    import deepspeed.comm as dist
     return {op: {int(size): vals[0] for size, vals in sizes.items()}
             for op, sizes in dist.comms_logger.get_raw_data().items()}
 
@@ -93,6 +100,13 @@ def global_losses(ranks: list[dict]) -> list[float]:
     return [sum(step) / len(step) for step in zip(*(r["losses"] for r in ranks))]
 
 
+def replica_losses(ranks: list[dict], stage: int, group_size: int, key: str = "losses") -> list[float]:
+    """`global_losses` when groups of `group_size` consecutive ranks train one replica together (tensor or
+    sequence parallelism: every rank of a group reports the group's loss): the mean over the replicas."""
+    firsts = [r for r in ranks if r["rank"] % group_size == 0]
+    return global_losses([{"losses": next(run for run in r["runs"] if run["stage"] == stage)[key]} for r in firsts])
+
+
 def dtype_rows(results: dict[str, list]) -> list[dict]:
     """Per communication dtype ({dtype: [rank results]}): what rank 0 sent in one step (gradients and
     in all) against fp32, and the loss."""
@@ -111,3 +125,10 @@ def dtype_rows(results: dict[str, list]) -> list[dict]:
             "final loss": losses[-1], "max |loss - fp32 loss|": max(abs(x - y) for x, y in zip(losses, base_loss)),
             "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
     return table
+
+
+def norm_gap(ranks: list[dict], stage: int, reference_norms: list[float]) -> float:
+    """The largest relative difference, over the steps, of DeepSpeed's gradient norm (every rank reports the
+    global one) in `ranks`' run at `stage` from a reference run's norms."""
+    run = next(r for r in ranks[0]["runs"] if r["stage"] == stage)
+    return max(abs(a / b - 1) for a, b in zip(run["grad_norms"], reference_norms))

@@ -86,12 +86,23 @@ def flags(options: dict) -> list[str]:
 
 
 def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: float = 600,
-                launcher: str = "torchrun", like_ranks: int | None = None, **options) -> list[dict]:
+                launcher: str = "torchrun", like_ranks: int | None = None, echo: bool = False, **options) -> list[dict]:
     """Run helpers/programs/<program>.py on n_ranks with `options` as its flags (`checked_flags` first);
     each rank's result, by rank. `like_ranks`: place the ranks (device, threads) as a launch of that many
-    would, e.g. a one-rank reference run beside a 2-rank one."""
+    would, e.g. a one-rank reference run beside a 2-rank one. `echo`: first print the command line (see
+    `command_line`)."""
     module, args = checked_flags(program, n_ranks, launcher, out_dir, options)
+    if echo:
+        print("$", command_line(module, n_ranks, out_dir, args))
     return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher, like_ranks=like_ranks)
+
+
+def command_line(module: str, n_ranks: int, out_dir, args: list[str]) -> str:
+    """What a launch runs, as you would type it from the repository root (the run directory shown relative to
+    it when inside; `launch` adds its own port and log flags)."""
+    out = Path(out_dir).resolve()
+    shown = out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out
+    return " ".join(["torchrun", "--nproc_per_node", str(n_ranks), "-m", module, "--out", str(shown), *args])
 
 
 def checked_flags(program: str, n_ranks: int, launcher: str, out_dir, options: dict) -> tuple[str, list[str]]:

@@ -1,5 +1,6 @@
 """The model every notebook trains: GPT-2 built from a config (random weights, nothing downloaded), its sizes,
-its parameter count from the shapes alone, activation checkpointing and sampling."""
+its parameter count from the shapes alone, activation checkpointing and sampling; and the Llama of the same
+sizes that notebook 07 splits with tensor and sequence parallelism."""
 from __future__ import annotations
 
 import torch
@@ -30,6 +31,42 @@ def build_model(vocab_size: int, n_positions: int, size: str = "tiny", pad_token
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"   # transformers warns when a model leaves it unset
     return model
+
+
+LLAMA_MLP_MULTIPLE = 64   # SwiGLU's inner width: 8h/3 (the parameters of GPT-2's 4h MLP) rounded up to this
+
+
+def llama_inner_size(n_embd: int) -> int:
+    return -(-8 * n_embd // 3 // LLAMA_MLP_MULTIPLE) * LLAMA_MLP_MULTIPLE
+
+
+def build_llama(vocab_size: int, n_positions: int, size: str = "tiny", seed: int = 0, attention: str = "sdpa"):
+    """A randomly initialised Llama (RMSNorm, rotary positions, SwiGLU MLP, untied LM head) with the depth,
+    width and heads of GPT-2 `size`, for notebook 07's tensor and sequence parallelism: DeepSpeed's AutoTP
+    refuses GPT-2 for training, and its Ulysses attention for HF models reads `num_key_value_heads`, which
+    GPT-2's config lacks. SDPA attention: Ulysses refuses 'eager' (it would build an s x s mask)."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"model_size={size!r} is not one of {sorted(MODEL_SIZES)}")
+    from transformers import LlamaConfig, LlamaForCausalLM   # heavy: only when a model is built
+    n_layer, n_embd, n_head = MODEL_SIZES[size]
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=llama_inner_size(n_embd),
+                      num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head,
+                      max_position_embeddings=n_positions, tie_word_embeddings=False, attn_implementation=attention,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def llama_param_count(vocab_size: int, n_layer: int, n_embd: int) -> dict[str, int]:
+    """`build_llama`'s parameters from its shapes, split as tensor parallelism splits them: the linears of
+    each block (q, k, v, o: 4h^2; gate, up, down: 3hI) and the LM head (Vh) are cut in t pieces; the
+    embedding (Vh) and the RMSNorm weights (2h per block, h at the end) stay whole on every rank."""
+    block_linears = 4 * n_embd * n_embd + 3 * n_embd * llama_inner_size(n_embd)
+    split = n_layer * block_linears + vocab_size * n_embd
+    whole = vocab_size * n_embd + (2 * n_layer + 1) * n_embd
+    return {"split": split, "whole": whole, "total": split + whole}
 
 
 def enable_checkpointing(model) -> None:

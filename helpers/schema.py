@@ -56,7 +56,9 @@ def deepspeed_top_level_keys() -> dict:
     # Only per-rank batch sizes: DeepSpeed multiplies them by the world size of the process group, if any.
     recorded = RecordingDict({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
     DeepSpeedConfig(recorded)
-    return recorded.reads
+    # Read only inside a live process group and without an mpu (runtime/config.py sizes data parallelism by it):
+    # the key the Ulysses/ALST tutorial sets, which a recording outside a group never reaches.
+    return {**recorded.reads, "sequence_parallel_size": 1}
 
 
 def check_top_level(config: dict) -> None:
