@@ -283,3 +283,46 @@ def compile_break_even(cumulative: dict[str, list[float]], compile_s: float, ste
     ax.set(title=title, xlabel="optimizer steps", ylabel="wall seconds so far")
     ax.legend(fontsize=8)
     return finish(fig, save_dir, "compile_break_even")
+
+
+def ulysses_layout(p: int = 2, tokens: int = 8, heads: int = 4, save_dir=None):
+    """DeepSpeed-Ulysses' all-to-all, drawn: a (tokens x heads) grid of one sequence's q (or k, v) coloured by
+    the rank that holds each block, before attention (each rank: s/p tokens, all heads) and during it
+    (each rank: all s tokens, h/p heads). The all-to-all is the move between the two."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    colours = plt.get_cmap("tab10")
+    layouts = {"before attention: rank = token block\n(MLPs, norms, embeddings run here)":
+               lambda t, h: t * p // tokens,
+               "inside attention: rank = head block\n(each rank sees the whole sequence)":
+               lambda t, h: h * p // heads}
+    for ax, (title, owner) in zip(axes, layouts.items()):
+        grid = np.array([[owner(t, h) for h in range(heads)] for t in range(tokens)])
+        ax.imshow(grid, cmap=colours, vmin=0, vmax=9, aspect="auto")
+        for t in range(tokens):
+            for h in range(heads):
+                ax.text(h, t, f"r{grid[t, h]}", ha="center", va="center", fontsize=8, color="white")
+        ax.set(title=title, xlabel="attention head", ylabel="token position", xticks=range(heads), yticks=range(tokens))
+    axes[0].annotate("", xy=(1.32, 0.5), xytext=(1.04, 0.5), xycoords="axes fraction",
+                     arrowprops={"arrowstyle": "<->", "lw": 2})
+    axes[0].text(1.18, 0.58, "all-to-all", transform=axes[0].transAxes, ha="center", fontsize=9)
+    return finish(fig, save_dir, "ulysses_layout")
+
+
+def sequence_memory(rows: list[dict], budget_bytes: float, longest: dict[int, int], save_dir=None):
+    """Activation bytes one rank saves for backward against sequence length, with 1 and with p ranks splitting
+    each sequence (measured points, the fitted line extended), and a memory budget: where each line crosses
+    it is the longest sequence that fits."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    lengths = [r["sequence length"] for r in rows]
+    split_key = next(k for k in rows[0] if k.startswith("bytes per rank"))
+    reach = max(longest.values()) * 1.1
+    for p, key, colour in ((1, "bytes, 1 rank", "tab:red"), (max(longest), split_key, "tab:blue")):
+        slope = budget_bytes / longest[p]   # bytes per token of one rank, as the longest sequence was found
+        ax.plot(lengths, [r[key] / 1e6 for r in rows], "o", color=colour, label=f"{p} rank(s): measured")
+        ax.plot([0, reach], [0, slope * reach / 1e6], "--", color=colour, alpha=0.6,
+                label=f"{p} rank(s): longest that fits {longest[p]:,} tokens")
+    ax.axhline(budget_bytes / 1e6, color="black", lw=1, label=f"budget {budget_bytes / 1e6:.0f} MB")
+    ax.set(xlabel="sequence length (tokens)", ylabel="MB saved for backward per rank",
+           title="Activation memory per rank: sequence parallelism divides it by p")
+    ax.legend(fontsize=8)
+    return finish(fig, save_dir, "sequence_memory")
