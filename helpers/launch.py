@@ -219,10 +219,17 @@ STOP_GRACE_S = 60   # for the ranks to finish their step and save, after the not
 
 
 def ranks_of(proc: subprocess.Popen, module: str) -> list[psutil.Process]:
-    """The rank processes of a job started by `proc`: those running `module`, below the launchers."""
+    """The rank processes of a job started by `proc`: those running `module`, below the launchers. A rank's
+    own short-lived children (a subprocess between fork and exec still shows the rank's command line) are
+    left out, and so is any process that ends while being looked at."""
     launchers = {"torch.distributed.run", "deepspeed.launcher.launch", "deepspeed.launcher.runner"}
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if module in p.cmdline() and not launchers & set(p.cmdline())]
+    found = {}
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cmdline = p.cmdline()
+            if module in cmdline and not launchers & set(cmdline):
+                found[p.pid] = (p, p.ppid())
+    return [p for p, parent in found.values() if parent not in found]
 
 
 def interrupt_ranks(proc: subprocess.Popen, module: str, logs: Path) -> None:
