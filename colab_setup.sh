@@ -37,6 +37,11 @@ else
     echo "colab_setup: nothing to install"
 fi
 "$PY" -c "import torch, deepspeed; print(f'colab_setup: torch {torch.__version__} (kept), deepspeed {deepspeed.__version__}')"
+# libaio: DeepSpeed's async_io op builds against it (ZeRO-Infinity's NVMe offload, notebook 08). Colab runs as root.
+if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; } ||
+        echo "colab_setup: libaio-dev not installed: notebook 08's NVMe section will be skipped"
+fi
 # Versions of what Colab keeps, nvcc against torch's CUDA, and on a GPU one real FusedAdam build and step
 # (DeepSpeed's JIT build does not check nvcc's version itself: a mismatch would fail later, unclearly).
 if ! "$PY" -m helpers.preflight; then
