@@ -11,6 +11,7 @@ import inspect
 import json
 import math
 import typing
+from pathlib import PurePath
 
 from helpers.errors import ConfigError
 
@@ -132,7 +133,7 @@ def check_not_coerced(given: dict, parsed, path: str) -> None:
         if isinstance(value, dict) and isinstance(held, BaseModel):
             check_not_coerced(value, held, f"{path}.{key}")
         elif held is not None and (isinstance(value, bool) != isinstance(held, bool) or isinstance(value, str)
-                                   and not isinstance(getattr(held, "value", held), str)):
+                                   and not isinstance(getattr(held, "value", held), (str, PurePath))):   # JSON writes a path as a string
             plain = getattr(held, "value", held)
             raise wrong_type(f"{path}.{key}", value, f"a {type(plain).__name__}, e.g. {json.dumps(plain)}")
 

@@ -156,3 +156,13 @@ def test_every_block_deepspeed_lists_as_removed_is_refused_before_initialize():
     for key in _REMOVED_TOP_LEVEL_CONFIG_KEYS:
         with pytest.raises(ConfigError, match=f"'{key}' was removed"):
             validate({**build_config(), key: {"enabled": True}}, device="cpu")
+
+
+def test_an_nvme_path_is_a_string_as_json_writes_it():
+    # DeepSpeed's model holds a Path; a config read from JSON (and the one DeepSpeed prints as JSON) has a string
+    cfg = good()
+    cfg["zero_optimization"].update(stage=3, offload_param={"device": "nvme", "nvme_path": "/local_nvme"})
+    assert validate(cfg, device="cpu")["zero_optimization"]["offload_param"]["nvme_path"] == "/local_nvme"
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = 5
+    with pytest.raises(ConfigError, match="nvme_path=5"):
+        validate(cfg, device="cpu")
