@@ -1,0 +1,190 @@
+"""Inference with DeepSpeed (notebook 08): the same Llama served two ways, each checked against the plain model.
+
+    torchrun --nproc_per_node 2 -m helpers.programs.inference --out runs/inference
+
+1. ZeRO-Inference: `deepspeed.initialize` with ZeRO-3, `offload_param` to the CPU and no optimizer. Each rank
+   keeps 1/N of every parameter in host memory and gathers a layer's weights only while it runs, so a model
+   larger than one device can generate. Greedy `generate(..., synced_gpus=True)`: under ZeRO-3 every forward
+   is a collective, so a rank that is done keeps stepping until all are.
+2. AutoTP: `deepspeed.init_inference(model, tensor_parallel={"tp_size": t})` cuts each linear layer into t
+   pieces, one per rank, and all-reduces the partial outputs: every rank holds ~1/t of the linear weights.
+
+Each rank also builds the plain model (same weights, same dtype, whole) and runs the same greedy generation
+and probe batch, and records per rank: the generated tokens of each and whether they match, the largest logit
+difference, the parameter elements (ZeRO) or bytes (AutoTP) it holds, which layers AutoTP replaced, and
+tokens per second (measured, never asserted: on a CPU the gathers and all-reduces cost more than they save).
+--weights loads a state dict (torch.save or DeepSpeed's save_16bit_model) instead of the seeded random weights.
+"""
+import argparse
+import os
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+from transformers import set_seed
+
+from helpers.errors import integer
+from helpers.launch import write_result
+from helpers.model import MODEL_SIZES, build_llama
+from helpers.precision import PRECISIONS, dtype, logit_tolerance, precision_block
+from helpers.runtime import detect, init_single_process, quiet_deepspeed
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp-size", type=integer(1), default=2, help="ranks that split each linear layer (AutoTP)")
+    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
+    p.add_argument("--vocab", type=integer(2), default=4096)
+    p.add_argument("--prompt-len", type=integer(1), default=16)
+    p.add_argument("--new-tokens", type=integer(1), default=16, help="tokens each prompt is continued by")
+    p.add_argument("--batch", type=integer(1), default=2, help="prompts generated together")
+    p.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS))
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--weights", default=None, help="a state dict file (torch.save / save_16bit_model) to load")
+    return p.parse_args(argv)
+
+
+def check_options(a, world_size: int) -> None:
+    """ValueError, before any rank starts, for what DeepSpeed would refuse or hang on inside one."""
+    if a.tp_size != world_size:
+        raise ValueError(f"tp_size={a.tp_size} is not the {world_size} ranks: init_inference makes one tensor-parallel "
+                         f"group, ranks 0..tp_size-1; launch {a.tp_size} ranks or set tp_size={world_size}")
+    n_head = MODEL_SIZES[a.model_size][2]
+    if n_head % a.tp_size:
+        raise ValueError(f"tp_size={a.tp_size} does not divide the {n_head} attention heads of model size "
+                         f"{a.model_size!r}: AutoTP hands out whole heads; use a divisor of {n_head}")
+    if a.weights is not None and not Path(a.weights).is_file():
+        raise ValueError(f"weights={a.weights!r} is not a file: give a state dict saved by torch.save or "
+                         f"save_16bit_model, or leave weights out for the seeded random model")
+
+
+def load_model(a):
+    """The Llama every part starts from: seeded random weights, or --weights loaded over them."""
+    model = build_llama(a.vocab, a.prompt_len + a.new_tokens, a.model_size, seed=a.seed)
+    if a.weights is not None:
+        model.load_state_dict(torch.load(a.weights, map_location="cpu", weights_only=True))   # 16-bit values cast in
+    return model.eval()
+
+
+def zero_inference_config(precision: str) -> dict:
+    """ZeRO-3 with the parameters offloaded to the CPU, and nothing for training: no optimizer, no scheduler."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,   # never used, but DeepSpeed refuses a config without a batch size
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                              "stage3_param_persistence_threshold": 0},   # split the norms too (default: <1e5 whole)
+        "steps_per_print": 10**9,
+        **precision_block(precision),   # bf16: DeepSpeed casts the module; fp32: no block
+    }
+
+
+@torch.no_grad()
+def timed_generate(model, ids, new_tokens: int, **kwargs) -> tuple[list, float]:
+    """Greedy continuation of `ids` (the prompt dropped) and the tokens per second it ran at."""
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         min_new_tokens=new_tokens, **kwargs)   # min: every run makes the same number of tokens
+    seconds = time.perf_counter() - start
+    return out[:, ids.shape[1]:].tolist(), ids.shape[0] * new_tokens / seconds
+
+
+@torch.no_grad()
+def teacher_forced(model, ids, tokens: list):
+    """The greedy choice at each generated position, and its lead over the runner-up, when the model reads the
+    prompt plus `tokens` (the plain model's continuation) in one forward: choices compared position by position,
+    so one flipped near-tie does not make every later token differ."""
+    whole = torch.cat([ids, torch.tensor(tokens, device=ids.device)], dim=1)
+    logits = model(input_ids=whole).logits[:, ids.shape[1] - 1:-1].float()   # the logits that chose each token
+    top2 = logits.topk(2, dim=-1).values
+    return logits.argmax(-1).cpu(), (top2[..., 0] - top2[..., 1]).cpu()
+
+
+def zero_elements(model) -> dict:
+    """Where ZeRO-3 keeps the parameters between forwards: p.data is an empty placeholder (0 elements on the
+    device), p.ds_tensor this rank's 1/N partition (on the CPU with offload_param), p.ds_numel the whole."""
+    params = list(model.parameters())
+    return {"device_elements": sum(p.data.numel() for p in params),
+            "partition_elements": sum(p.ds_tensor.numel() for p in params),
+            "full_elements": sum(p.ds_numel for p in params),
+            "partition_device": sorted({p.ds_tensor.device.type for p in params})}
+
+
+def zero_inference(a, precision: str, ids, plain_tokens: list) -> dict:
+    """Part 1: generate with a ZeRO-3 engine whose partitions wait in host memory."""
+    # cast first, as the plain model was: ZeRO-3 casts only the parameters, and a rotary inv_freq buffer left in
+    # fp32 turns positions by other angles than the plain bf16 model does (the greedy tokens then part on a near-tie)
+    model = load_model(a).to(dtype(precision))
+    engine, *_ = deepspeed.initialize(model=model, config=zero_inference_config(precision))
+    engine.module.eval()
+    device_ids = ids.to(engine.device)
+    # synced_gpus: each forward gathers every layer from all ranks, so all ranks must run the same forwards
+    tokens, speed = timed_generate(engine.module, device_ids, a.new_tokens, synced_gpus=True)
+    result = {"tokens": tokens, "equal": tokens == plain_tokens, "tokens_per_s": speed,
+              **zero_elements(engine.module)}   # after generating: every gathered layer released again
+    engine.destroy()
+    return result
+
+
+def parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def replaced_layers(model) -> dict:
+    """Each module AutoTP replaced, by name, with DeepSpeed's class for it and the weight shape this rank holds."""
+    return {name: {"class": type(m).__name__, "shape": list(m.weight.shape)} for name, m in model.named_modules()
+            if type(m).__module__ == "deepspeed.module_inject.layers"}
+
+
+def autotp_inference(a, precision: str, ids, probe, plain_tokens: list, plain_logits, plain_margins) -> dict:
+    """Part 2: AutoTP splits a fresh copy of the same weights over tp_size ranks."""
+    engine = deepspeed.init_inference(load_model(a), tensor_parallel={"tp_size": a.tp_size}, dtype=dtype(precision),
+                                      replace_with_kernel_inject=False)   # AutoTP: HF's own layers, split
+    model = engine.module   # the HF model, its linears replaced; generate is its own
+    with torch.no_grad():
+        logits = model(input_ids=probe.to(model.device)).logits.float().cpu()
+    tokens, speed = timed_generate(model, ids.to(model.device), a.new_tokens)
+    choices, _ = teacher_forced(model, ids.to(model.device), plain_tokens)
+    # where the split sums (added in another order) pick another token: [prompt, position, the plain model's lead there]
+    differs = (choices != torch.tensor(plain_tokens)).nonzero().tolist()
+    differs_at = [[b, t, plain_margins[b, t].item()] for b, t in differs]
+    return {"tokens": tokens, "equal": tokens == plain_tokens, "tokens_per_s": speed, "differs_at": differs_at,
+            "max_logit_diff": (logits - plain_logits).abs().max().item(),
+            "bytes": parameter_bytes(model), "layers": replaced_layers(model)}
+
+
+def main(argv=None):
+    # DeepSpeed's CPU all-reduce (shm_interface.cpp) sizes its shared-memory ring by LOCAL_SIZE, which only the
+    # deepspeed launcher sets; under torchrun it is missing and AutoTP's all-reduce segfaults. Set before init.
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    a = parse(argv)
+    quiet_deepspeed()
+    init_single_process()   # under a launcher: joins the launcher's group
+    world = torch.distributed.get_world_size()
+    check_options(a, world)
+    set_seed(a.seed)
+    precision = detect().precision if a.precision == "auto" else a.precision
+    generator = torch.Generator().manual_seed(a.seed)   # the same prompts on every rank
+    ids = torch.randint(a.vocab, (a.batch, a.prompt_len), generator=generator)
+    probe = torch.randint(a.vocab, (a.batch, a.prompt_len), generator=generator)
+    device = deepspeed.get_accelerator().current_device_name()
+    plain = load_model(a).to(device, dtype(precision))   # the reference: the whole model on every rank
+    plain_tokens, plain_speed = timed_generate(plain, ids.to(plain.device), a.new_tokens)
+    with torch.no_grad():
+        plain_logits = plain(input_ids=probe.to(plain.device)).logits.float().cpu()
+    _, plain_margins = teacher_forced(plain, ids.to(plain.device), plain_tokens)
+    plain_bytes = parameter_bytes(plain)
+    del plain
+    zero = zero_inference(a, precision, ids, plain_tokens)
+    autotp = autotp_inference(a, precision, ids, probe, plain_tokens, plain_logits, plain_margins)
+    write_result(a.out, {"plain": {"tokens": plain_tokens, "tokens_per_s": plain_speed, "bytes": plain_bytes},
+                         "zero": zero, "autotp": autotp, "logit_tolerance": logit_tolerance(precision),
+                         "prompt": ids.tolist(), "world_size": world, "tp_size": a.tp_size, "precision": precision,
+                         "device": deepspeed.get_accelerator().device_name(), "model_size": a.model_size,
+                         "vocab_size": a.vocab, "new_tokens": a.new_tokens, "batch": a.batch})
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+
+
+if __name__ == "__main__":
+    main()

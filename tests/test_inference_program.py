@@ -1,0 +1,70 @@
+"""helpers/programs/inference.py without launching ranks: its option checks, the printed command, the ZeRO-Inference
+config and the generation helpers on one small model (notebook 08's run covers the real launch)."""
+import pytest
+import torch
+
+from helpers import REPO_ROOT
+from helpers.errors import InputError
+from helpers.launch import checked_flags, command_line
+from helpers.programs import inference
+from helpers.schema import check_with_deepspeed_config
+
+
+@pytest.mark.parametrize("n_ranks, options, message", [
+    (2, {"tp_size": 3}, "tp_size=3 is not the 2 ranks"),
+    (4, {"tp_size": 2}, "tp_size=2 is not the 4 ranks"),
+    (4, {"tp_size": 4, "model_size": "base"}, "does not divide the 6 attention heads"),
+    (2, {"weights": "no/such/file.bin"}, "weights='no/such/file.bin' is not a file"),
+])
+def test_what_deepspeed_would_refuse_or_hang_on_is_refused_before_any_rank_starts(n_ranks, options, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        checked_flags("inference", n_ranks, "torchrun", tmp_path, options)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"new_tokens": 0}, "0 must be at least 1"),
+    ({"precision": "fp8"}, "invalid choice: 'fp8'"),
+    ({"model_size": "huge"}, "invalid choice: 'huge'"),
+])
+def test_a_bad_flag_is_named_by_the_programs_own_parser(options, message, tmp_path):
+    with pytest.raises(InputError, match=message):
+        checked_flags("inference", 2, "torchrun", tmp_path, options)
+
+
+def test_the_printed_command_runs_from_the_repository_root():
+    out = REPO_ROOT / "runs" / "x"
+    module, args = checked_flags("inference", 2, "torchrun", out, {"new_tokens": 8, "precision": "fp32"})
+    assert command_line(module, 2, out, args) == \
+        "torchrun --nproc_per_node 2 -m helpers.programs.inference --out runs/x --new-tokens=8 --precision=fp32"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_zero_inference_config_is_stage_3_offloaded_without_an_optimizer_and_deepspeed_accepts_it(precision):
+    config = inference.zero_inference_config(precision)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    assert "optimizer" not in config and "scheduler" not in config
+    assert ("bf16" in config) == (precision == "bf16")
+    check_with_deepspeed_config(config)   # raises ConfigError if DeepSpeed's own config class refuses it
+
+
+def test_the_teacher_forced_choices_are_the_greedy_tokens_of_the_same_model(tmp_path):
+    a = inference.parse(["--out", str(tmp_path), "--vocab", "64", "--prompt-len", "4", "--new-tokens", "5"])
+    model = inference.load_model(a)
+    ids = torch.randint(a.vocab, (2, a.prompt_len), generator=torch.Generator().manual_seed(0))
+    tokens, speed = inference.timed_generate(model, ids, a.new_tokens)
+    choices, margins = inference.teacher_forced(model, ids, tokens)
+    assert [len(t) for t in tokens] == [5, 5] and speed > 0
+    assert choices.tolist() == tokens   # one forward over prompt + tokens picks what generate picked step by step
+    assert (margins >= 0).all()
+
+
+def test_weights_saved_in_16_bit_load_over_the_seeded_model(tmp_path):
+    a = inference.parse(["--out", str(tmp_path), "--vocab", "64", "--seed", "1"])
+    trained = inference.load_model(a)
+    path = tmp_path / "model.bin"
+    torch.save({k: v.bfloat16() for k, v in trained.state_dict().items()}, path)   # as save_16bit_model writes it
+    a = inference.parse(["--out", str(tmp_path), "--vocab", "64", "--seed", "2", "--weights", str(path)])
+    loaded = inference.load_model(a)
+    weight = loaded.model.embed_tokens.weight
+    assert torch.equal(weight, trained.model.embed_tokens.weight.bfloat16().float())
