@@ -28,6 +28,7 @@ from helpers.errors import integer
 from helpers.launch import write_result
 from helpers.model import MODEL_SIZES, build_llama
 from helpers.precision import PRECISIONS, dtype, logit_tolerance, precision_block
+from helpers.programs.tensor_parallel import replaced_layers   # what AutoTP replaced, as notebook 07 showed it
 from helpers.runtime import detect, init_single_process, quiet_deepspeed
 
 
@@ -128,12 +129,6 @@ def zero_inference(a, precision: str, ids, plain_tokens: list) -> dict:
 
 def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def replaced_layers(model) -> dict:
-    """Each module AutoTP replaced, by name, with DeepSpeed's class for it and the weight shape this rank holds."""
-    return {name: {"class": type(m).__name__, "shape": list(m.weight.shape)} for name, m in model.named_modules()
-            if type(m).__module__ == "deepspeed.module_inject.layers"}
 
 
 def autotp_inference(a, precision: str, ids, probe, plain_tokens: list, plain_logits, plain_margins) -> dict:
