@@ -139,13 +139,15 @@ def run_settings(module, config: dict, world_size: int) -> dict:
 
 def parameter_shapes(state: dict) -> dict:
     """name -> shape of every parameter, as named_parameters() names them: ZeRO >= 1 saves this list; at
-    ZeRO 0 the module's state dict, in which a tied weight (GPT-2's lm_head) shares the first name's storage."""
+    ZeRO 0 the module's state dict, in which a tied weight (GPT-2's lm_head) is the first name's tensor again.
+    Tied means the same first element, not the same storage: DeepSpeed's FusedAdam wrapper at ZeRO 0 (a GPU's
+    16-bit path) keeps every weight as a view of one flat buffer."""
     if state.get("param_shapes"):
         return {name: tuple(shape) for group in state["param_shapes"] for name, shape in group.items()}
-    shapes, storages = {}, set()
+    shapes, seen = {}, set()
     for name, tensor in state["module"].items():
-        if tensor.untyped_storage().data_ptr() not in storages:
-            storages.add(tensor.untyped_storage().data_ptr())
+        if (tensor.data_ptr(), tensor.shape) not in seen:
+            seen.add((tensor.data_ptr(), tensor.shape))
             shapes[name] = tuple(tensor.shape)
     return shapes
 

@@ -149,3 +149,18 @@ def test_a_trainers_peak_memory_leaves_out_what_ran_before_it(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     before, trainer_peak = map(float, run.stdout.split()[-2:])
     assert before > 1024 and trainer_peak < before - 512, (before, trainer_peak)
+
+
+def test_a_zero0_checkpoint_of_the_fusedadam_wrapper_names_every_parameter_shape(tmp_path):
+    """A GPU's ZeRO 0 in 16 bits (FP16_Optimizer) keeps every weight as a view of one flat buffer: the saved
+    module's tensors share one storage. The first GPU run of notebook 03 refused its own checkpoint on resume
+    ("75 parameters differ ... checkpoint None") when shapes were told apart by storage."""
+    from helpers.checkpoints import parameter_shapes
+    engine, _ = one_step_engine(0, "bf16", torch_adam=False)
+    assert type(engine.optimizer).__name__ == "FP16_Optimizer"
+    engine.save_checkpoint(tmp_path, tag="t")
+    state = torch.load(tmp_path / "t" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert state.get("param_shapes") is None   # DeepSpeed saves no shape list at ZeRO 0: the module is read
+    own = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}   # the tied lm_head is not listed
+    assert parameter_shapes(state) == own and len(own) > 1
+
