@@ -7,6 +7,8 @@ ahead-of-time builds, so an nvcc of another CUDA major than torch's fails later 
 """
 from __future__ import annotations
 
+import os
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -98,6 +100,18 @@ def adam_op_matches_torch(device: str) -> float:
     return (ours - theirs).abs().max().item()
 
 
+def arch_list_problem(arch_list: str | None) -> str | None:
+    """Why DeepSpeed's JIT builder would fail on this TORCH_CUDA_ARCH_LIST, or None. It reads each entry as
+    numbers (builder.py's compute_capability_args): torch's suffixed forms such as "9.0a" raise
+    "invalid literal for int() with base 10: '0a'" at the first op it builds (seen on an H200 image)."""
+    entries = (arch_list or "").replace(" ", ";").split(";")
+    if all(re.fullmatch(r"\d+\.\d+(\+PTX)?", e.strip()) for e in entries if e.strip()):
+        return None
+    plain = ";".join(re.sub(r"(\d)[a-zA-Z]+", r"\1", e.strip()) for e in entries if e.strip())
+    return (f"TORCH_CUDA_ARCH_LIST={arch_list!r}: DeepSpeed {DEEPSPEED} cannot read suffixed entries and fails "
+            f"building FusedAdam; set TORCH_CUDA_ARCH_LIST='{plain}' (or unset it) before the first DeepSpeed op is built")
+
+
 def report() -> list[dict]:
     """Every check as a row {check, ok, detail}: packages on any machine, CUDA and FusedAdam on a GPU."""
     import torch
@@ -112,8 +126,11 @@ def report() -> list[dict]:
         gap = adam_op_matches_torch("cpu")
         return rows + [{"check": "DeepSpeedCPUAdam built, one step = torch AdamW's", "ok": gap < 1e-5,
                         "detail": f"max |Δ| {gap:.1e}"}]
+    arch_problem = arch_list_problem(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    rows.append({"check": "TORCH_CUDA_ARCH_LIST readable by DeepSpeed", "ok": arch_problem is None,
+                 "detail": arch_problem or (os.environ.get("TORCH_CUDA_ARCH_LIST") or "unset: the GPU's own")})
     nvcc = nvcc_version()
-    problem = cuda_problem(torch.version.cuda, nvcc)
+    problem = cuda_problem(torch.version.cuda, nvcc) or arch_problem
     rows.append({"check": "nvcc matches torch's CUDA", "ok": problem is None,
                  "detail": problem or f"nvcc {nvcc[0]}.{nvcc[1]}, torch built for CUDA {torch.version.cuda}"})
     if problem is None:

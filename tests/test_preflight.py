@@ -2,7 +2,7 @@
 Adam-op check on this machine's own op, against torch's AdamW."""
 import pytest
 
-from helpers.preflight import adam_op_matches_torch, cuda_problem, release, version_problems
+from helpers.preflight import adam_op_matches_torch, arch_list_problem, cuda_problem, release, version_problems
 
 
 @pytest.mark.parametrize("text, expected", [("2.13.0+cu126", (2, 13, 0)), ("4.56.0.dev0", (4, 56, 0)),
@@ -33,3 +33,28 @@ def test_nvcc_must_match_torchs_cuda_major(torch_cuda, nvcc, says):
 
 def test_this_machines_adam_op_builds_and_steps_like_torch():
     assert adam_op_matches_torch("cpu") < 1e-5   # DeepSpeedCPUAdam, ZeRO-Offload's optimizer (notebook 05)
+
+
+@pytest.mark.parametrize("arch_list, fix", [
+    (None, None), ("", None), ("8.0;9.0+PTX", None), ("7.5 8.6", None),
+    ("9.0a", "'9.0'"), ("8.0;9.0a;10.0f+PTX", "'8.0;9.0;10.0+PTX'"),
+])
+def test_an_arch_list_deepspeeds_builder_cannot_read_is_refused_with_the_one_it_can(arch_list, fix, monkeypatch):
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+    problem = arch_list_problem(arch_list)
+    assert (problem is None) == (fix is None)
+
+    def deepspeed_reads(value):   # DeepSpeed's own parsing of the variable, as its JIT build of FusedAdam runs it
+        builder = FusedAdamBuilder()
+        builder.jit_mode = True
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+        builder.compute_capability_args()
+
+    if fix is None:
+        if arch_list:
+            deepspeed_reads(arch_list)
+        return
+    assert problem.startswith(f"TORCH_CUDA_ARCH_LIST={arch_list!r}") and f"set TORCH_CUDA_ARCH_LIST={fix}" in problem
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        deepspeed_reads(arch_list)
+    deepspeed_reads(fix.strip("'"))   # the suggested value is one DeepSpeed reads
