@@ -26,6 +26,16 @@ def test_storage_is_counted_once():
     assert measured.storage_bytes([base], seen) == 400 and measured.storage_bytes(views, seen) == 0
 
 
+def test_allocated_peak_follows_every_allocation_and_free_on_a_cpu():
+    with measured.allocated_peak("cpu") as counted:
+        kept = torch.empty(1000, 1000)                          # 4,000,000 B, kept
+        promised = torch.empty(250_000_000, dtype=torch.bfloat16)   # 500,000,000 B never written: RSS would miss it
+        del promised
+        product = torch.ones(100) * 2                           # a 400 B temporary and a 400 B result
+    assert counted == {"peak": 504_000_000, "end": 4_000_400}
+    assert kept.numel() and product.numel()
+
+
 @pytest.fixture(scope="module")
 def data():
     from helpers.data import SyntheticTextDataset

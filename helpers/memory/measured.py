@@ -191,6 +191,31 @@ def peak_memory(device: str) -> int:
     return torch.cuda.max_memory_allocated()
 
 
+
+@contextlib.contextmanager
+def allocated_peak(device: str):
+    """Tensor bytes allocated inside the block, less those freed: {"peak": the most at any moment, "end": what is
+    still held at its end}, filled in when the block ends. Read from the allocator's own records: on a GPU
+    torch.cuda's counters; on a CPU torch's profiler, which logs every allocation and free of a tensor (RSS
+    would show the C allocator keeping freed pages, and untouched `torch.empty` pages not at all)."""
+    import gc
+    import torch
+    gc.collect()   # tensors of earlier objects freed inside the block would count against it
+    result = {}
+    if peak_source(device) == "cuda":
+        base = memory_mark(device)
+        yield result
+        result.update(peak=peak_memory(device) - base, end=memory_now(device) - base)
+        return
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield result
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage   # + at an allocating op, - at a free ("[memory]" event)
+        peak = max(peak, live)
+    result.update(peak=peak, end=live)
+
 # ---- the ZeRO comparison's table (notebook 04) ----
 
 def memory_rows(results: dict[int, list]) -> list[dict]:
