@@ -98,11 +98,19 @@ def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: flo
 
 
 def command_line(module: str, n_ranks: int, out_dir, args: list[str]) -> str:
-    """What a launch runs, as you would type it from the repository root (the run directory shown relative to
-    it when inside; `launch` adds its own port and log flags)."""
-    out = Path(out_dir).resolve()
-    shown = out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out
-    return " ".join(["torchrun", "--nproc_per_node", str(n_ranks), "-m", module, "--out", str(shown), *args])
+    """What a launch runs, as you would type it from the repository root (paths inside it, the run directory
+    among them, shown relative to it; `launch` adds its own port and log flags)."""
+    flags = [f"{flag}={from_root(value)}" if "=" in arg else from_root(arg)
+             for arg in args for flag, _, value in [arg.partition("=")]]
+    return " ".join(["torchrun", "--nproc_per_node", str(n_ranks), "-m", module, "--out", from_root(out_dir), *flags])
+
+
+def from_root(text) -> str:
+    """An absolute path inside the repository, relative to its root; anything else as it is."""
+    path = Path(text)
+    if path.is_absolute() and path.resolve().is_relative_to(REPO_ROOT):
+        return str(path.resolve().relative_to(REPO_ROOT))
+    return str(text)
 
 
 def checked_flags(program: str, n_ranks: int, launcher: str, out_dir, options: dict) -> tuple[str, list[str]]:

@@ -15,10 +15,28 @@ from helpers.schema import check_with_deepspeed_config
     (4, {"tp_size": 2}, "tp_size=2 is not the 4 ranks"),
     (4, {"tp_size": 4, "model_size": "base"}, "does not divide the 6 attention heads"),
     (2, {"weights": "no/such/file.bin"}, "weights='no/such/file.bin' is not a file"),
+    (2, {"model": "gpt2"}, "parts=autotp with model=gpt2: DeepSpeed's AutoTP refuses GPT-2"),
+    (3, {"model": "gpt2", "parts": ["zero"], "tp_size": 2}, None),   # no AutoTP part: tp_size is not asked about
 ])
 def test_what_deepspeed_would_refuse_or_hang_on_is_refused_before_any_rank_starts(n_ranks, options, message, tmp_path):
+    if message is None:
+        checked_flags("inference", n_ranks, "torchrun", tmp_path, options)
+        return
     with pytest.raises(ValueError, match=message):
         checked_flags("inference", n_ranks, "torchrun", tmp_path, options)
+
+
+def test_weights_of_other_sizes_are_refused_naming_the_sizes_and_fitting_ones_load_bitwise(tmp_path):
+    from helpers.model import build_model
+    saved = build_model(64, 32, "tiny", seed=1).to(torch.bfloat16)   # 16-bit, as save_16bit_model writes it
+    torch.save(saved.state_dict(), tmp_path / "w.bin")
+    weights = {"model": "gpt2", "parts": ["zero"], "vocab": 64, "weights": str(tmp_path / "w.bin")}
+    with pytest.raises(ValueError, match="do not fit model=gpt2 model_size=small vocab=64: give the sizes it was trained"):
+        checked_flags("inference", 2, "torchrun", tmp_path, {**weights, "model_size": "small"})
+    _, args = checked_flags("inference", 2, "torchrun", tmp_path, weights)
+    loaded = inference.load_model(inference.parse(["--out", str(tmp_path), *args]))
+    assert loaded.transformer.wpe.weight.shape[0] == 32   # positions from the file, not prompt + new tokens
+    assert all(torch.equal(p.to(torch.bfloat16), q) for p, q in zip(loaded.parameters(), saved.parameters()))
 
 
 @pytest.mark.parametrize("options, message", [
@@ -36,6 +54,9 @@ def test_the_printed_command_runs_from_the_repository_root():
     module, args = checked_flags("inference", 2, "torchrun", out, {"new_tokens": 8, "precision": "fp32"})
     assert command_line(module, 2, out, args) == \
         "torchrun --nproc_per_node 2 -m helpers.programs.inference --out runs/x --new-tokens=8 --precision=fp32"
+    weights = REPO_ROOT / "runs" / "zero3" / "16bit" / "pytorch_model.bin"   # a path option, as section 4 passes one
+    assert command_line(module, 2, out, [f"--weights={weights}", "--parts", "zero"]).endswith(
+        "--out runs/x --weights=runs/zero3/16bit/pytorch_model.bin --parts zero")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
