@@ -193,6 +193,20 @@ def peak_memory(device: str) -> int:
 
 
 @contextlib.contextmanager
+def _fd2_silenced():
+    """Standard error's file descriptor pointed at /dev/null for the block: C++ code writes there directly."""
+    import os
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
 def allocated_peak(device: str):
     """Tensor bytes allocated inside the block, less those freed: {"peak": the most at any moment, "end": what is
     still held at its end}, filled in when the block ends. Read from the allocator's own records: on a GPU
@@ -208,8 +222,14 @@ def allocated_peak(device: str):
         result.update(peak=peak_memory(device) - base, end=memory_now(device) - base)
         return
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _fd2_silenced():   # kineto writes "USDT: ... profiler_start" (and _stop) to file descriptor 2 itself
+        prof.start()
+    try:
         yield result
+    finally:
+        with _fd2_silenced():
+            prof.stop()
     live = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += event.self_cpu_memory_usage   # + at an allocating op, - at a free ("[memory]" event)
