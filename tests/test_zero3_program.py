@@ -27,3 +27,12 @@ def test_a_misspelt_knob_key_is_refused_by_deepspeeds_own_model():
 def test_an_unknown_setting_is_refused_before_any_rank_starts(tmp_path):
     with pytest.raises(InputError, match="invalid choice: 'fewlive'"):
         checked_flags("zero3", 2, "torchrun", tmp_path, {"knobs": ["fewlive"]})
+
+
+def test_the_plain_build_holds_the_models_fp32_bytes_and_a_moment_of_one_weight_more():
+    a = zero3.parse(["--out", "x", "--model-size", "tiny", "--vocab", "512"])
+    built = zero3.plain_build(a)
+    model = zero3.build_model(a.vocab, a.seq_len, a.model_size, seed=a.seed)
+    params = list(model.parameters())   # the tied LM head once
+    assert built["end"] == sum(4 * p.numel() for p in params)   # PyTorch builds in fp32
+    assert built["end"] <= built["peak"] <= built["end"] + 4 * max(p.numel() for p in params)

@@ -1,6 +1,8 @@
-"""Inference with DeepSpeed (notebook 08): the same Llama served two ways, each checked against the plain model.
+"""Inference with DeepSpeed (notebook 08): a model served two ways, each checked against the plain model.
 
     torchrun --nproc_per_node 2 -m helpers.programs.inference --out runs/inference
+    torchrun --nproc_per_node 2 -m helpers.programs.inference --out runs/served --model gpt2 --model-size small \
+        --weights runs/zero3/16bit/pytorch_model.bin --parts zero     # the GPT-2 that helpers.programs.zero3 saved
 
 1. ZeRO-Inference: `deepspeed.initialize` with ZeRO-3, `offload_param` to the CPU and no optimizer. Each rank
    keeps 1/N of every parameter in host memory and gathers a layer's weights only while it runs, so a model
@@ -14,6 +16,8 @@ and probe batch, and records per rank: the generated tokens of each and whether 
 difference, the parameter elements (ZeRO) or bytes (AutoTP) it holds, which layers AutoTP replaced, and
 tokens per second (measured, never asserted: on a CPU the gathers and all-reduces cost more than they save).
 --weights loads a state dict (torch.save or DeepSpeed's save_16bit_model) instead of the seeded random weights.
+--model gpt2 serves a GPT-2 (what the other programs train) through ZeRO-Inference only: DeepSpeed's AutoTP
+refuses GPT-2 ("AutoTP not supported for model. Please use kernel injection"), and kernel injection needs CUDA.
 """
 import argparse
 import os
@@ -26,10 +30,13 @@ from transformers import set_seed
 
 from helpers.errors import integer
 from helpers.launch import write_result
-from helpers.model import MODEL_SIZES, build_llama
+from helpers.model import MODEL_SIZES, build_llama, build_model
 from helpers.precision import PRECISIONS, dtype, logit_tolerance, precision_block
 from helpers.programs.tensor_parallel import replaced_layers   # what AutoTP replaced, as notebook 07 showed it
 from helpers.runtime import detect, init_single_process, quiet_deepspeed
+
+
+PARTS = ("zero", "autotp")   # ZeRO-Inference, AutoTP: in this order
 
 
 def parse(argv=None):
@@ -44,28 +51,44 @@ def parse(argv=None):
     p.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS))
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--weights", default=None, help="a state dict file (torch.save / save_16bit_model) to load")
+    p.add_argument("--model", default="llama", choices=("llama", "gpt2"), help="the architecture served")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS), help="the ways it is served")
     return p.parse_args(argv)
 
 
 def check_options(a, world_size: int) -> None:
     """ValueError, before any rank starts, for what DeepSpeed would refuse or hang on inside one."""
-    if a.tp_size != world_size:
+    if a.model == "gpt2" and "autotp" in a.parts:
+        raise ValueError("parts=autotp with model=gpt2: DeepSpeed's AutoTP refuses GPT-2 (it asks for kernel injection, "
+                         "CUDA only); serve GPT-2 with parts=zero, or AutoTP with model=llama")
+    if "autotp" in a.parts and a.tp_size != world_size:
         raise ValueError(f"tp_size={a.tp_size} is not the {world_size} ranks: init_inference makes one tensor-parallel "
                          f"group, ranks 0..tp_size-1; launch {a.tp_size} ranks or set tp_size={world_size}")
     n_head = MODEL_SIZES[a.model_size][2]
-    if n_head % a.tp_size:
+    if "autotp" in a.parts and n_head % a.tp_size:
         raise ValueError(f"tp_size={a.tp_size} does not divide the {n_head} attention heads of model size "
                          f"{a.model_size!r}: AutoTP hands out whole heads; use a divisor of {n_head}")
     if a.weights is not None and not Path(a.weights).is_file():
         raise ValueError(f"weights={a.weights!r} is not a file: give a state dict saved by torch.save or "
                          f"save_16bit_model, or leave weights out for the seeded random model")
+    if a.weights is not None:
+        load_model(a)   # weights that do not fit the sizes given are refused here, naming them
 
 
 def load_model(a):
-    """The Llama every part starts from: seeded random weights, or --weights loaded over them."""
-    model = build_llama(a.vocab, a.prompt_len + a.new_tokens, a.model_size, seed=a.seed)
-    if a.weights is not None:
-        model.load_state_dict(torch.load(a.weights, map_location="cpu", weights_only=True))   # 16-bit values cast in
+    """The model every part starts from: seeded random weights, or --weights loaded over them."""
+    state = None if a.weights is None else torch.load(a.weights, map_location="cpu", weights_only=True)
+    if a.model == "llama":
+        model = build_llama(a.vocab, a.prompt_len + a.new_tokens, a.model_size, seed=a.seed)
+    else:   # GPT-2 learns a table of positions: as many as the weights have (prompt + new tokens must fit in it)
+        positions = a.prompt_len + a.new_tokens if state is None else len(state["transformer.wpe.weight"])
+        model = build_model(a.vocab, positions, a.model_size, seed=a.seed)
+    if state is not None:
+        try:
+            model.load_state_dict(state)   # 16-bit values cast in
+        except RuntimeError as e:
+            raise ValueError(f"weights={a.weights!r} do not fit model={a.model} model_size={a.model_size} vocab={a.vocab}: "
+                             f"give the sizes it was trained with ({str(e).splitlines()[1].strip()[:120]})") from None
     return model.eval()
 
 
@@ -170,10 +193,13 @@ def main(argv=None):
     _, plain_margins = teacher_forced(plain, ids.to(plain.device), plain_tokens)
     plain_bytes = parameter_bytes(plain)
     del plain
-    zero = zero_inference(a, precision, ids, plain_tokens)
-    autotp = autotp_inference(a, precision, ids, probe, plain_tokens, plain_logits, plain_margins)
+    served = {}
+    if "zero" in a.parts:
+        served["zero"] = zero_inference(a, precision, ids, plain_tokens)
+    if "autotp" in a.parts:
+        served["autotp"] = autotp_inference(a, precision, ids, probe, plain_tokens, plain_logits, plain_margins)
     write_result(a.out, {"plain": {"tokens": plain_tokens, "tokens_per_s": plain_speed, "bytes": plain_bytes},
-                         "zero": zero, "autotp": autotp, "logit_tolerance": logit_tolerance(precision),
+                         **served, "logit_tolerance": logit_tolerance(precision), "model": a.model, "weights": a.weights,
                          "prompt": ids.tolist(), "world_size": world, "tp_size": a.tp_size, "precision": precision,
                          "device": deepspeed.get_accelerator().device_name(), "model_size": a.model_size,
                          "vocab_size": a.vocab, "new_tokens": a.new_tokens, "batch": a.batch})

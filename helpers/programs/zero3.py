@@ -9,7 +9,8 @@ whole for a moment (to read it, or to change it on one rank and partition the ch
 setting (`KNOBS` below: only the zero_optimization keys change), the program trains --steps steps from the same
 weights and records what stayed whole, what was gathered and sent, and the losses; after the first, it saves
 the model twice: a 16-bit copy gathered into one file (`save_16bit_model`) and a ZeRO checkpoint (for
-`zero_to_fp32`).
+`zero_to_fp32`). It also records the tensor bytes each rank allocated building the model inside zero.Init, and
+building it whole the ordinary way, for contrast (`allocated_peak`: at most, and still held at the end).
 """
 import argparse
 import shutil
@@ -30,6 +31,7 @@ from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
 from helpers.launch import write_result
+from helpers.memory.measured import allocated_peak
 from helpers.model import MODEL_SIZES, build_model
 from helpers.precision import PRECISIONS
 from helpers.runtime import detect, init_single_process, quiet_deepspeed
@@ -74,16 +76,25 @@ def zero3_config(a, precision: str, world: int, knobs: dict) -> dict:
 
 def build_partitioned(a, config: dict):
     """The model built inside zero.Init, its weights initialised as HF initialises GPT-2 (the embedding's
-    standard deviation recorded, to check it)."""
+    standard deviation recorded, to check it), and the tensor bytes the build inside zero.Init allocated."""
     # HF's weight init would run on empty partitions inside zero.Init and set nothing: skip it here, then run
     # transformers' ZeRO-3 variant, which gathers one module at a time and keeps rank 0's values. (This is what
     # transformers' from_config does by itself while an HfDeepSpeedConfig of a ZeRO-3 config is alive.)
-    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=config):   # each module partitioned once built
-        model = build_model(a.vocab, a.seq_len, a.model_size, seed=a.seed)
+    with allocated_peak(detect().device) as build, no_init_weights(), deepspeed.zero.Init(config_dict_or_path=config):
+        model = build_model(a.vocab, a.seq_len, a.model_size, seed=a.seed)   # each module partitioned once built
     torch.manual_seed(a.seed)
     initialize_weights_zero3(model)
     model.tie_weights()   # GPT-2's LM head is its embedding: no_init_weights left them untied
-    return model, {"wte_std": gathered_std(model.transformer.wte.weight), "init_std": model.config.initializer_range}
+    return model, {"wte_std": gathered_std(model.transformer.wte.weight), "init_std": model.config.initializer_range,
+                   "build_bytes": build}   # tensor bytes allocated inside zero.Init: at most, and held at its end
+
+
+def plain_build(a) -> dict:
+    """Bytes allocated building the same model the ordinary way, whole, on this rank's device: for contrast."""
+    with torch.device(detect().device), allocated_peak(detect().device) as build:   # zero.Init builds there too
+        model = build_model(a.vocab, a.seq_len, a.model_size, seed=a.seed)
+    del model
+    return build
 
 
 def gathered_std(weight) -> float:
@@ -199,7 +210,8 @@ def main(argv=None):
             run["saved"] = save_both(engine, Path(a.out))
         runs.append(run)
         engine.destroy()
-    write_result(a.out, {"runs": runs, "world_size": world, "precision": precision, "vocab_size": a.vocab,
+    plain = plain_build(a)
+    write_result(a.out, {"runs": runs, "plain_build_bytes": plain, "world_size": world, "precision": precision, "vocab_size": a.vocab,
                          "data_vocab_size": data.vocab_size, "seq_len": a.seq_len, "model_size": a.model_size,
                          "micro_batch": a.micro_batch})
     torch.distributed.barrier()
