@@ -6,7 +6,9 @@ nbval runs each notebook's code cells as test items and compares every output no
 TUTORIAL_PRECISION to the other one (fp32 <-> bf16), again. The second pass is what a reader does who
 changes the precision and presses Run All again, against the state the first pass left behind (a live
 process group, checkpoints on disk, open engines); its compared outputs must be the stored ones too, so a
-sentence or figure that holds in one precision only fails here, on any machine. Around the two passes the
+sentence or figure that holds in one precision only fails here, on any machine. It stops where the ↻ sections
+that tests/test_notebook_sections.py runs after a restart, in that other precision, begin (tests/passes.py):
+their checks hold there, and running them once more cost minutes of CI. Around the two passes the
 notebook must create or delete no file in the repository (everything goes to $TUTORIAL_RUN_DIR, a
 temporary folder unless you set one). `--notebook-passes 1` runs each notebook once, as plain nbval does.
 """
@@ -17,6 +19,7 @@ from collections import defaultdict
 import nbformat
 import pytest
 
+from tests.passes import other_precision, second_pass_cut
 from tests.repository import repo_files
 
 DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -51,25 +54,20 @@ def pytest_collection_modifyitems(config, items):
     items[:] = arranged
 
 
-def other_precision() -> str:
-    """The CPU precision the rule (or $TUTORIAL_PRECISION) did not pick: fp32 <-> bf16."""
-    from helpers.runtime import detect
-    return "bf16" if detect().precision == "fp32" else "fp32"
-
-
 def notebook_items(cells: list, passes: int) -> list:
-    """A notebook's cell items, run `passes` times in its kernel (the second time in the other precision),
-    between a snapshot of the repository's files and the check that the runs left them as they were."""
+    """A notebook's cell items, run `passes` times in its kernel (the second time in the other precision, up
+    to the sections the restart test runs), between a snapshot of the repository's files and the check that the runs left them as they were."""
     from nbval.plugin import IPyNbCell
     parent = cells[0].parent
     again = []
     if passes == 2:
         other = other_precision()
+        ids = {c.id for c in nbformat.read(parent.path, as_version=4).cells[:second_pass_cut(parent.path)]}
         switch = nbformat.v4.new_code_cell(f"import os\nos.environ['TUTORIAL_PRECISION'] = '{other}'\n")
         again = [IPyNbCell.from_parent(parent, name=f"TUTORIAL_PRECISION={other}", cell_num=-1, cell=switch,
                                        options=defaultdict(bool, check=False))]
         again += [IPyNbCell.from_parent(parent, name=f"{c.name} ({other})", cell_num=c.cell_num, cell=c.cell,
-                                        options=c.options) for c in cells]
+                                        options=c.options) for c in cells if c.cell.get("id") in ids]
     return [RepositorySnapshot.from_parent(parent, name="repository files before"), *cells, *again,
             RepositoryUnchanged.from_parent(parent, name="repository files after")]
 

@@ -1,10 +1,11 @@
 """What nbval's two passes over each notebook (tests/conftest.py) do not cover: where a notebook says a
 section runs on its own (a `## ` heading marked ↻, cell tag `restart-point`), it does, from its heading to
 the next `## ` heading, in a fresh kernel after only the setup cells (every cell before the first ↻
-section): what a reader does after restarting the kernel and jumping there. The full passes add that it
-also runs after every earlier section. The first ↻ section is not run here: setup cells and then it is
-how the full pass starts, in a fresh kernel too. Like them, it creates no file inside the repository: everything
-goes under the run directory ($TUTORIAL_RUN_DIR).
+section): what a reader does after restarting the kernel and jumping there. It runs in the precision the rule
+did not pick: nbval's first pass ran the section in the other one, after every earlier section, and its second
+pass leaves these sections out (tests/passes.py). The first ↻ section is not run here: setup cells and then it
+is how the full pass starts, in a fresh kernel too. Like them, it creates no file inside the repository:
+everything goes under the run directory ($TUTORIAL_RUN_DIR).
 """
 from pathlib import Path
 
@@ -12,10 +13,11 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.passes import (RESTART_MARK, is_section_heading, other_precision, restart_points, restart_tested,
+                          section_end)
 from tests.repository import ROOT, repo_files
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
-RESTART_TAG, RESTART_MARK = "restart-point", "↻"
 
 
 def execute(cells: list, path: Path, run_dir: Path, monkeypatch) -> list:
@@ -34,14 +36,6 @@ def execute(cells: list, path: Path, run_dir: Path, monkeypatch) -> list:
     return [c.source.splitlines()[0] for c in checks if not any("✓" in o.get("text", "") for o in c.outputs)]
 
 
-def is_section_heading(cell) -> bool:
-    return cell.cell_type == "markdown" and cell.source.startswith("## ")
-
-
-def restart_points(cells: list) -> list[int]:
-    return [i for i, c in enumerate(cells) if RESTART_TAG in c.metadata.get("tags", [])]
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_restart_marks_agree_with_tags(path):
     """The reader sees ↻ in a heading; the tests see the tag. They must name the same cells."""
@@ -53,12 +47,12 @@ def test_restart_marks_agree_with_tags(path):
         assert is_section_heading(cells[i]), f"cell {i}: start the cell with the ↻ section's '## ' heading"
 
 
-SECTIONS = [(path, i) for path in NOTEBOOKS for i in restart_points(nbformat.read(path, as_version=4).cells)[1:]]
+SECTIONS = [(path, i) for path in NOTEBOOKS for i in restart_tested(nbformat.read(path, as_version=4).cells)]
 
 
 @pytest.mark.parametrize("path, start", SECTIONS, ids=[f"{p.stem}-cell{i}" for p, i in SECTIONS])
 def test_marked_section_runs_after_a_restart(path, start, tmp_path, monkeypatch):
     cells = nbformat.read(path, as_version=4).cells
-    end = next((i for i in range(start + 1, len(cells)) if is_section_heading(cells[i])), len(cells))
-    section = cells[:restart_points(cells)[0]] + cells[start:end]   # setup cells, then only this section
+    section = cells[:restart_points(cells)[0]] + cells[start:section_end(cells, start)]   # setup cells, then this one
+    monkeypatch.setenv("TUTORIAL_PRECISION", other_precision())   # the kernel inherits it
     assert execute(section, path, tmp_path, monkeypatch) == []
