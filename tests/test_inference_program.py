@@ -27,12 +27,16 @@ def test_what_deepspeed_would_refuse_or_hang_on_is_refused_before_any_rank_start
 
 
 def test_weights_of_other_sizes_are_refused_naming_the_sizes_and_fitting_ones_load_bitwise(tmp_path):
-    from helpers.model import build_model
+    from helpers.model import build_llama, build_model
     saved = build_model(64, 32, "tiny", seed=1).to(torch.bfloat16)   # 16-bit, as save_16bit_model writes it
     torch.save(saved.state_dict(), tmp_path / "w.bin")
     weights = {"model": "gpt2", "parts": ["zero"], "vocab": 64, "weights": str(tmp_path / "w.bin")}
     with pytest.raises(ValueError, match="do not fit model=gpt2 model_size=small vocab=64: give the sizes it was trained"):
         checked_flags("inference", 2, "torchrun", tmp_path, {**weights, "model_size": "small"})
+    llama = build_llama(64, 32, "tiny", seed=1)
+    torch.save(llama.state_dict(), tmp_path / "llama.bin")
+    with pytest.raises(ValueError, match="hold no GPT-2 position table"):
+        checked_flags("inference", 2, "torchrun", tmp_path, {**weights, "weights": str(tmp_path / "llama.bin")})
     _, args = checked_flags("inference", 2, "torchrun", tmp_path, weights)
     loaded = inference.load_model(inference.parse(["--out", str(tmp_path), *args]))
     assert loaded.transformer.wpe.weight.shape[0] == 32   # positions from the file, not prompt + new tokens

@@ -81,6 +81,9 @@ def load_model(a):
     if a.model == "llama":
         model = build_llama(a.vocab, a.prompt_len + a.new_tokens, a.model_size, seed=a.seed)
     else:   # GPT-2 learns a table of positions: as many as the weights have (prompt + new tokens must fit in it)
+        if state is not None and "transformer.wpe.weight" not in state:
+            raise ValueError(f"weights={a.weights!r} hold no GPT-2 position table (transformer.wpe.weight): "
+                             f"give a GPT-2's state dict, or model=llama for a Llama's")
         positions = a.prompt_len + a.new_tokens if state is None else len(state["transformer.wpe.weight"])
         model = build_model(a.vocab, positions, a.model_size, seed=a.seed)
     if state is not None:
@@ -88,7 +91,7 @@ def load_model(a):
             model.load_state_dict(state)   # 16-bit values cast in
         except RuntimeError as e:
             raise ValueError(f"weights={a.weights!r} do not fit model={a.model} model_size={a.model_size} vocab={a.vocab}: "
-                             f"give the sizes it was trained with ({str(e).splitlines()[1].strip()[:120]})") from None
+                             f"give the sizes it was trained with ({str(e).splitlines()[-1].strip()[:120]})") from None
     return model.eval()
 
 
