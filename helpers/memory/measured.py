@@ -192,30 +192,61 @@ def peak_memory(device: str) -> int:
 
 
 
-@contextlib.contextmanager
-def _fd2_silenced():
-    """Standard error's file descriptor pointed at /dev/null for the block: C++ code writes there directly."""
-    import os
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
+def _live_storages():
+    """A TorchDispatchMode that follows every tensor storage an op returns until it is freed, on whichever
+    thread frees it (gloo's worker threads drop the last reference to a collective's tensors)."""
+    import threading
+    import weakref
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class LiveStorages(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.known, self.lock = set(), threading.RLock()   # RLock: a finalizer may run inside __torch_dispatch__
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            # an in-place op or a view returns an input's storage, maybe one allocated before the block
+            inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if self._real(t)}
+            out = func(*args, **kwargs)
+            for tensor in tree_leaves(out):
+                if self._real(tensor) and id(tensor.untyped_storage()) not in inputs:
+                    self._count(tensor.untyped_storage())
+            return out
+
+        @staticmethod
+        def _real(tensor) -> bool:
+            return isinstance(tensor, torch.Tensor) and tensor.device.type != "meta"
+
+        def _count(self, storage):
+            with self.lock:
+                # one Python object per storage while it lives (PyTorch keeps it): seen once
+                if id(storage) in self.known or storage.nbytes() == 0:
+                    return
+                self.known.add(id(storage))
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+
+        def _freed(self, key, nbytes):
+            with self.lock:
+                self.known.discard(key)
+                self.live -= nbytes
+
+    return LiveStorages()
 
 
 @contextlib.contextmanager
 def allocated_peak(device: str):
     """Tensor bytes allocated inside the block, less those freed: {"peak": the most at any moment, "end": what is
-    still held at its end}, filled in when the block ends. Read from the allocator's own records: on a GPU
-    torch.cuda's counters; on a CPU torch's profiler, which logs the allocations and frees of tensors (RSS
-    would show the C allocator keeping freed pages, and untouched `torch.empty` pages not at all). A free it
-    misses only raises both figures (seen once building under zero.Init in fp32: "end" 6.6 MB over the
-    partitions held), so on a CPU they are upper bounds."""
+    still held at its end}, filled in when the block ends. On a GPU from torch.cuda's allocator counters; on a
+    CPU by following every storage an op returns to its free (RSS would show the C allocator keeping freed
+    pages, and untouched `torch.empty` pages not at all; torch's profiler misses frees made on other threads,
+    such as gloo's). On a CPU, scratch memory an op frees before returning is not seen."""
     import gc
-    import torch
     gc.collect()   # tensors of earlier objects freed inside the block would count against it
     result = {}
     if peak_source(device) == "cuda":
@@ -223,20 +254,10 @@ def allocated_peak(device: str):
         yield result
         result.update(peak=peak_memory(device) - base, end=memory_now(device) - base)
         return
-    from torch.profiler import ProfilerActivity, profile
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _fd2_silenced():   # kineto writes "USDT: ... profiler_start" (and _stop) to file descriptor 2 itself
-        prof.start()
-    try:
+    with _live_storages() as storages:
         yield result
-    finally:
-        with _fd2_silenced():
-            prof.stop()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage   # + at an allocating op, - at a free ("[memory]" event)
-        peak = max(peak, live)
-    result.update(peak=peak, end=live)
+    result.update(peak=storages.peak, end=storages.live)
+
 
 # ---- the ZeRO comparison's table (notebook 04) ----
 

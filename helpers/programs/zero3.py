@@ -10,7 +10,7 @@ setting (`KNOBS` below: only the zero_optimization keys change), the program tra
 weights and records what stayed whole, what was gathered and sent, and the losses; after the first, it saves
 the model twice: a 16-bit copy gathered into one file (`save_16bit_model`) and a ZeRO checkpoint (for
 `zero_to_fp32`). It also records the tensor bytes each rank allocated building the model inside zero.Init, and
-building it whole the ordinary way, for contrast (`allocated_peak`: at most, and still held at the end).
+building it whole the ordinary way, for contrast (`allocated_peak`: the most at once, and what is still held at the end).
 """
 import argparse
 import shutil
@@ -86,7 +86,7 @@ def build_partitioned(a, config: dict):
     initialize_weights_zero3(model)
     model.tie_weights()   # GPT-2's LM head is its embedding: no_init_weights left them untied
     return model, {"wte_std": gathered_std(model.transformer.wte.weight), "init_std": model.config.initializer_range,
-                   "build_bytes": build}   # tensor bytes allocated inside zero.Init: at most, and held at its end
+                   "build_bytes": build}   # tensor bytes allocated inside zero.Init: the most at once, and held at its end
 
 
 def plain_build(a) -> dict:
