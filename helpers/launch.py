@@ -86,23 +86,25 @@ def flags(options: dict) -> list[str]:
 
 
 def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: float = 600,
-                launcher: str = "torchrun", like_ranks: int | None = None, echo: bool = False, **options) -> list[dict]:
+                launcher: str = "torchrun", like_ranks: int | None = None, echo: bool = True, **options) -> list[dict]:
     """Run helpers/programs/<program>.py on n_ranks with `options` as its flags (`checked_flags` first);
     each rank's result, by rank. `like_ranks`: place the ranks (device, threads) as a launch of that many
-    would, e.g. a one-rank reference run beside a 2-rank one. `echo`: first print the command line (see
-    `command_line`)."""
+    would, e.g. a one-rank reference run beside a 2-rank one. `echo`: first print the command line, so that the
+    reader can run it from the repository root (see `command_line`)."""
     module, args = checked_flags(program, n_ranks, launcher, out_dir, options)
     if echo:
-        print("$", command_line(module, n_ranks, out_dir, args))
+        print("$", command_line(module, n_ranks, out_dir, args, launcher))
     return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher, like_ranks=like_ranks)
 
 
-def command_line(module: str, n_ranks: int, out_dir, args: list[str]) -> str:
+def command_line(module: str, n_ranks: int, out_dir, args: list[str], launcher: str = "torchrun") -> str:
     """What a launch runs, as you would type it from the repository root (paths inside it, the run directory
     among them, shown relative to it; `launch` adds its own port and log flags)."""
     flags = [f"{flag}={from_root(value)}" if "=" in arg else from_root(arg)
              for arg in args for flag, _, value in [arg.partition("=")]]
-    return " ".join(["torchrun", "--nproc_per_node", str(n_ranks), "-m", module, "--out", from_root(out_dir), *flags])
+    start = {"torchrun": ["torchrun", "--nproc_per_node", str(n_ranks), "-m", module],
+             "deepspeed": ["deepspeed", "--num_gpus", str(n_ranks), "--no_local_rank", "--module", module]}[launcher]
+    return " ".join([*start, "--out", from_root(out_dir), *flags])
 
 
 def from_root(text) -> str:

@@ -119,6 +119,28 @@ def test_deepspeed_launcher_works_on_cpu(tmp_path):
     assert [(r["rank"], r["sum"]) for r in results] == [(0, 3), (1, 3)]
 
 
+def test_the_printed_command_runs_as_printed_from_the_repository_root(tmp_path):
+    """What run_program prints is a command a reader can paste: run it (torchrun from this venv) and the ranks
+    answer as they do under launch()."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from helpers import REPO_ROOT
+    from helpers.launch import command_line
+    from helpers.runtime import free_port
+    printed = command_line(ECHO, 2, tmp_path, [])
+    assert printed.startswith(f"torchrun --nproc_per_node 2 -m {ECHO} --out "), printed
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+               PET_MASTER_PORT=str(free_port()))   # torchrun reads its flags' defaults from PET_* variables
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    subprocess.run(shlex.split(printed), cwd=REPO_ROOT, env=env, check=True, timeout=120, capture_output=True)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["sum"] for r in (0, 1)] == [3, 3]
+    assert command_line(ECHO, 2, tmp_path, [], "deepspeed").startswith(
+        f"deepspeed --num_gpus 2 --no_local_rank --module {ECHO} --out ")
+
+
 # ---- the programs' side: options -> flags, and showing a program ----
 
 def test_options_become_the_programs_flags():

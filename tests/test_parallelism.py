@@ -43,7 +43,7 @@ def test_what_deepspeed_would_refuse_or_hang_on_is_refused_before_any_rank_start
         checked_flags(program, n_ranks, "torchrun", tmp_path, options)
 
 
-def test_the_printed_command_runs_from_the_repository_root(tmp_path):
+def test_the_printed_command_names_paths_relative_to_the_repository_root(tmp_path):
     from helpers import REPO_ROOT
     module, args = checked_flags("tensor_parallel", 2, "torchrun", REPO_ROOT / "runs" / "x", {"tp_size": 2, "stages": (1, 2)})
     assert command_line(module, 2, REPO_ROOT / "runs" / "x", args) == \

@@ -84,3 +84,15 @@ def test_each_kind_of_noise_is_caught(kind, text, expected):
 ])
 def test_clean_outputs_pass(kind, text):
     assert problems(kind, text) == []
+
+
+CPU_NAME = re.compile(r"[A-Z][\w() -]*? \(\d+ cores\)")   # helpers.runtime's device name on a CPU
+
+
+def test_every_stored_notebook_ran_on_one_machine():
+    """The stored outputs are one `python -m helpers.run_notebooks --in-place` on one machine: their numbers
+    compare across notebooks only then."""
+    names = {path.stem: {m.group(0) for _, _, text in stored_texts(path) for m in CPU_NAME.finditer(text)}
+             for path in NOTEBOOKS}
+    assert names["01_setup"], "notebook 01 stores no machine name"
+    assert len(set().union(*names.values())) == 1, names
