@@ -13,7 +13,7 @@ from statistics import median_high
 
 from .. import REPO_ROOT, with_repo_on_path
 from .formulas import activation_bytes_for
-from .measured import memory_mark, memory_now, peak_memory, peak_source
+from .measured import allocated_peak, peak_source
 
 
 def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpointing: bool, device: str):
@@ -48,15 +48,14 @@ def _child_measure(model_size: str, seq_len: int, micro_batch: int, checkpointin
     # Keep the grads allocated (zeroed, not None): they are model states, so the baseline holds them
     # and the measured difference is the step's activations plus backward's transient buffers.
     model.zero_grad(set_to_none=False)
-    base = memory_mark(device)
-    start = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
-    held = memory_now(device) - base   # between forward and backward: the saved activations and logits
-    loss.backward()
-    del loss
-    peak = peak_memory(device) - base
-    times = [time.perf_counter() - start]
-    for _ in range(steps - 1):
+    with allocated_peak(device) as whole:
+        with allocated_peak(device) as forward:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()   # forward's "end": what it holds for backward, the saved activations and logits
+        del loss
+    held, peak = forward["end"], whole["peak"]
+    times = []
+    for _ in range(steps):   # timed apart from the counting, which adds Python work to every op on a CPU
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -70,15 +69,13 @@ def measure_step_memory(model_size: str = "tiny", seq_len: int = 256, micro_batc
     """Bytes one training step (forward + backward, plain PyTorch) adds on top of the model states,
     and its time, measured in a fresh process so nothing this kernel allocated earlier blurs the peak.
 
-    CPU: peak RSS during the step minus RSS before it. CUDA: max_memory_allocated minus
-    memory_allocated before it. `forward_bytes`: what the step holds between forward and backward
-    (the saved activations and logits). `seconds`: median of `steps` steps (the first after a warm-up).
+    Tensor bytes, counted by `allocated_peak` (the CUDA allocator's counters, or on a CPU each storage followed to
+    its free). `forward_bytes`: what the step holds between forward and backward (the saved activations and
+    logits). `seconds`: median of `steps` steps after a warm-up, timed without the counting.
     """
     args = dict(model_size=model_size, seq_len=seq_len, micro_batch=micro_batch, checkpointing=checkpointing,
                 precision=precision, vocab=vocab, steps=steps)
-    # glibc keeps freed blocks below its (self-raising, up to 32 MB) mmap threshold in the heap, so RSS would
-    # show the allocator's high-water, not live tensors: a fixed 64 KiB returns every large tensor to the OS.
-    env = with_repo_on_path(dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
+    env = with_repo_on_path(dict(os.environ))
     proc = subprocess.run([sys.executable, "-m", __name__, "--measure", json.dumps(args)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

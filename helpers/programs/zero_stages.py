@@ -22,8 +22,8 @@ from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
 from helpers.launch import flags, write_result
-from helpers.memory.measured import (held_while_accumulating, measurement_zero_extra, peak_memory, split_by_side,
-                                     zero2_overhang_bytes)
+from helpers.memory.measured import (allocated_peak, held_while_accumulating, measurement_zero_extra, peak_memory,
+                                     split_by_side, zero2_overhang_bytes)
 from helpers.model import MODEL_SIZES, build_model
 from helpers.precision import PRECISIONS
 from helpers.runtime import detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, world_size
@@ -84,7 +84,8 @@ def run_stage(a, block: dict, data, rt) -> dict:
     """Train with one zero_optimization `block` ({"stage": 2}, or a whole block); return what this rank held,
     sent, and how its steps went."""
     set_seed(a.seed)
-    model = build_model(data.vocab_size, a.seq_len, a.model_size, data.tokenizer.pad_token_id, a.seed)
+    with allocated_peak("cpu") as loaded:   # every process first builds the whole model in fp32 on the host
+        model = build_model(data.vocab_size, a.seq_len, a.model_size, data.tokenizer.pad_token_id, a.seed)
     n_params = sum(p.numel() for p in model.parameters())
     zero, precision = zero_block(a, block, n_params), a.precision or rt.precision
     config = build_config(zero_stage=zero["stage"], micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
@@ -115,7 +116,7 @@ def run_stage(a, block: dict, data, rt) -> dict:
         "stage": zero["stage"], "world_size": world, "n_params": n_params, "precision": precision,
         "device": str(engine.device), "backend": torch.distributed.get_backend(),
         "zero_config": config["zero_optimization"], "optimizer": type(inner).__name__,
-        "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(engine), **sides,
+        "load_host_bytes": loaded["end"], "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(engine), **sides,
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
         "peak_memory_mib": peak_memory("cuda") / 2**20 if rt.is_gpu else None,
         "step_s": step_s, "losses": losses, "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world)}
