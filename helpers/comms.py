@@ -8,6 +8,9 @@ algorithms NCCL and gloo use (the same factors as DeepSpeed's own bus-bandwidth 
     reduce_scatter of M bytes      M (N-1)/N
     all_gather of an m-byte shard  m (N-1)
     reduce / broadcast of M bytes  M (N-1)/N
+Gloo (the CPU backend) does not always send that (`GLOO_SEND_FACTOR`): its reduce_scatter_tensor sends what
+its all-reduce does, 2 M (N-1)/N, and its reduce M (N-1)/N (1 + 1/N) averaged over the roots. `written_bytes`,
+the kernel's count of what a rank wrote to its sockets, measures both without any of these factors.
 """
 from __future__ import annotations
 
@@ -20,6 +23,10 @@ SEND_FACTOR = {  # bytes sent per logged byte, as a function of the number of ra
     "reduce": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
 }
+# What gloo sends, by the kernel's count on 2 and 4 ranks (tests/test_comms.py): a reduce-scatter costs an
+# all-reduce; a reduce, a ring reduce-scatter plus each other rank's reduced 1/N sent on to the root.
+GLOO_SEND_FACTOR = SEND_FACTOR | {"reduce_scatter_tensor": SEND_FACTOR["all_reduce"],
+                                  "reduce": lambda n: (n - 1) / n * (1 + 1 / n)}
 
 
 def predicted_units(stage: int, accum: int, algorithm: str = "paper") -> float:
@@ -42,38 +49,42 @@ def predicted_units(stage: int, accum: int, algorithm: str = "paper") -> float:
     return float(units[stage])
 
 
-def start_logging() -> None:
-    """Record every collective from now on (DeepSpeed's comms logger, without its per-op printing)."""
-    import deepspeed.comm as dist
-    logger = dist.comms_logger
-    logger.enabled, logger.prof_all, logger.verbose = True, True, False
-    logger.reset_data()
-
-
-def stop_logging() -> dict:
-    """Stop recording; return {op: {msg_size_bytes: count}} for what was recorded."""
-    import deepspeed.comm as dist
-    dist.comms_logger.enabled = False
-    return logged()
+# The config block that switches DeepSpeed's comms logger on when the engine is built: every collective
+# recorded (op, message size, count), none printed. A program calls deepspeed.comm.comms_logger.reset_data()
+# before the step it measures and reads the record with `logged()` after it.
+LOGGER_BLOCK = {"enabled": True, "verbose": False, "prof_all": True}
 
 
 def logged() -> dict:
     """What DeepSpeed's comms logger recorded since its last `reset_data()`, as {op: {msg_size_bytes: count}}
-    (switched on by the config's `comms_logger` block, or by `start_logging`)."""
+    (switched on by the config's `comms_logger` block, `LOGGER_BLOCK`)."""
     import deepspeed.comm as dist
     return {op: {int(size): vals[0] for size, vals in sizes.items()}
             for op, sizes in dist.comms_logger.get_raw_data().items()}
 
 
-def sent_bytes(logged: dict, n_ranks: int) -> dict[str, float]:
-    """Bytes this rank sent per collective type (ring algorithms), from `stop_logging()` output."""
+def sent_bytes(logged: dict, n_ranks: int, factors: dict = SEND_FACTOR) -> dict[str, float]:
+    """Bytes this rank sent per collective type, from `logged()`: with the ring algorithms' factors, or
+    `GLOO_SEND_FACTOR` for what gloo sends."""
     if n_ranks < 2:
         return {op: 0.0 for op in logged}
-    unknown = set(logged) - set(SEND_FACTOR)
+    unknown = set(logged) - set(factors)
     if unknown:
         raise ValueError(f"no send factor for collectives {sorted(unknown)}: add them to SEND_FACTOR")
-    return {op: SEND_FACTOR[op](n_ranks) * sum(size * count for size, count in sizes.items())
+    return {op: factors[op](n_ranks) * sum(int(size) * count for size, count in sizes.items())   # JSON keys: str
             for op, sizes in logged.items()}
+
+
+def written_bytes() -> int | None:
+    """Bytes this process has handed to write() and writev() so far, all threads, by the kernel's own count
+    (Linux's /proc/self/io, `wchar`). Gloo sends over TCP with writev, so across a step on a CPU the difference
+    is what this rank sent, plus gloo's small message headers: measured without DeepSpeed's logger or any
+    algorithm's factor. None where /proc/self/io is missing; NCCL's transfers are no system calls at all."""
+    try:
+        with open("/proc/self/io") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
+    except OSError:
+        return None
 
 
 # ---- tables from the rank programs' results (helpers/programs/zero_stages.py, comm_dtype.py) ----
@@ -89,9 +100,14 @@ def stage_rows(default: dict[int, list], paper: dict[int, list], accum: int) -> 
             r = ranks[0]
             unit = r["n_params"] * bytes_per_param(r["precision"], stage)[1] * (r["world_size"] - 1) / r["world_size"]
             measured = sum(r["comm_sent_bytes"].values())
+            written = r["comm_written_bytes"]
             rows.append({"stage": stage, "algorithm": algorithm, "sent MB (logged x ring)": measured / 1e6,
                          "predicted MB": predicted_units(stage, accum, algorithm) * unit / 1e6,
-                         "vs stage 0": measured / base, "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
+                         "vs stage 0": measured / base,
+                         "gloo MB (logged x gloo)": sum(sent_bytes(r["comm_logged"], r["world_size"],
+                                                                   GLOO_SEND_FACTOR).values()) / 1e6,
+                         "written MB (kernel)": written / 1e6 if written is not None else None,
+                         "step ms": 1e3 * sum(r["step_s"]) / len(r["step_s"])})
     return rows
 
 

@@ -33,3 +33,20 @@ def test_predicted_units_reduce_to_the_paper_at_one_micro_batch():
     assert [predicted_units(s, accum=2, algorithm="deepspeed") for s in range(4)] == [2, 3, 5, 4]
     with pytest.raises(ValueError, match="stage=7"):
         predicted_units(7, 1)
+
+
+@pytest.mark.parametrize("n_ranks", [2, 4])
+def test_gloo_sends_what_its_factors_say_by_the_kernels_count(tmp_path, n_ranks):
+    """GLOO_SEND_FACTOR against an independent count: the bytes each rank's process wrote to its sockets
+    (/proc/self/io) per byte the comms logger would record, on real gloo ranks."""
+    from helpers.comms import GLOO_SEND_FACTOR, SEND_FACTOR, written_bytes
+    from helpers.launch import launch
+    if written_bytes() is None:
+        pytest.skip("no /proc/self/io on this system")
+    ranks = launch("tests.rank_programs.wire_bytes", n_ranks, out_dir=tmp_path, timeout=120)
+    for rank in ranks:
+        for op, measured in rank["per_logged_byte"].items():
+            assert measured == pytest.approx(GLOO_SEND_FACTOR[op](n_ranks), rel=0.01), (rank["rank"], op, measured)
+    # where gloo is not the ring: its reduce-scatter writes twice the ring's bytes
+    ring = SEND_FACTOR["reduce_scatter_tensor"](n_ranks)
+    assert ranks[0]["per_logged_byte"]["reduce_scatter_tensor"] == pytest.approx(2 * ring, rel=0.01)

@@ -61,7 +61,7 @@ def parse(argv=None):
 
 
 def gradient_collectives(logged: dict) -> dict:
-    """The part of `comms.stop_logging()` output that carries gradients: reductions of more than one number."""
+    """The part of `comms.logged()` output that carries gradients: reductions of more than one number."""
     return {op: {size: count for size, count in sizes.items() if int(size) > SCALAR_BYTES}
             for op, sizes in logged.items() if op in REDUCTIONS}
 
@@ -72,14 +72,15 @@ def run_config(a, stage: int, n_params: int, zero_extra: dict | None = None, ext
     return build_config(zero_stage=stage, precision=a.precision, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
                         lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, device=detect().device,
                         world_size=world_size(), zero_extra=measurement_zero_extra(n_params) | (zero_extra or {}),
-                        extra=extra)
+                        extra={"comms_logger": comms.LOGGER_BLOCK, **(extra or {})})
 
 
 def log_one_step(trainer) -> dict:
-    """Train one step with DeepSpeed's comms logger on; return {op: {msg bytes: count}}."""
-    comms.start_logging()
+    """Train one step; return what DeepSpeed's comms logger (the config's block) recorded: {op: {msg bytes: count}}."""
+    from deepspeed.comm import comms_logger
+    comms_logger.reset_data()
     trainer.train(1, progress=False)
-    return comms.stop_logging()
+    return comms.logged()
 
 
 def run_dtype(a, dtype: str, data, n_params: int) -> dict:

@@ -162,7 +162,8 @@ def make_engine(model, a, precision: str, world: int):
     device = detect().device
     config = validate(build_config(micro_batch=a.micro_batch, world_size=world, zero_stage=a.zero_stage,
                                    precision=precision, lr=a.lr, warmup_steps=2, total_steps=2 * a.steps,
-                                   torch_adam=device == "cpu"), device=device, world_size=world)
+                                   torch_adam=device == "cpu", extra={"comms_logger": comms.LOGGER_BLOCK}),
+                    device=device, world_size=world)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                    "name": "shared"})
     described = [{"name": g["name"], "moe": g.get("moe", False), "params": sum(p.numel() for p in g["params"])}
@@ -195,10 +196,12 @@ def train(engine, batches: ResumableBatches, steps: int) -> list[dict]:
 
 
 def logged_step(engine, batches: ResumableBatches) -> tuple[dict, dict]:
-    """One training step with DeepSpeed's comms logger on: (its metrics, {collective: {bytes: count}})."""
-    comms.start_logging()
+    """One training step: (its metrics, what DeepSpeed's comms logger (the config's block) recorded in it,
+    {collective: {bytes: count}})."""
+    from deepspeed.comm import comms_logger
+    comms_logger.reset_data()
     record = train(engine, batches, 1)[0]
-    return record, comms.stop_logging()
+    return record, comms.logged()
 
 
 def held_experts(model) -> dict:

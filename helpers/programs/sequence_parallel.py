@@ -104,7 +104,7 @@ def ulysses_config(a, stage: int, precision: str, replicas: int, n_params: int) 
                           lr=a.lr, warmup_steps=2, total_steps=2 * a.steps, torch_adam=True, device=detect().device,
                           zero_extra=measurement_zero_extra(n_params))   # buckets of the model's size, not 5e8 elements
     config["sequence_parallel_size"] = a.sp_size   # read by DeepSpeed only without an mpu; ALST's tutorial sets it
-    config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}   # record every collective
+    config["comms_logger"] = comms.LOGGER_BLOCK   # DeepSpeed's comms logger: record every collective
     del config["train_batch_size"]   # DeepSpeed derives it; with an mpu it counts replicas, not ranks
     return validate(config, device=detect().device, world_size=replicas)
 

@@ -66,7 +66,7 @@ def autotp_config(a, stage: int, precision: str, replicas: int, n_params: int) -
                           lr=a.lr, warmup_steps=2, total_steps=2 * a.steps, torch_adam=True, device=detect().device,
                           zero_extra=measurement_zero_extra(n_params))   # buckets of the model's size, not 5e8 elements
     config["tensor_parallel"] = {"autotp_size": a.tp_size}   # AutoTP: split the linears over tp_size ranks
-    config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}   # record every collective
+    config["comms_logger"] = comms.LOGGER_BLOCK   # DeepSpeed's comms logger: record every collective
     # DeepSpeed 0.19 checks train_batch_size against every rank, tensor-parallel ones too (runtime/config.py
     # counts the whole world when given no mpu), though a group shares one batch: let it derive the number.
     del config["train_batch_size"]

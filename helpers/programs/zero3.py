@@ -70,7 +70,7 @@ def zero3_config(a, precision: str, world: int, knobs: dict) -> dict:
                           zero_extra={**knobs,
                                       # save_16bit_model writes nothing at ZeRO-3 unless told to gather the weights
                                       "stage3_gather_16bit_weights_on_model_save": True})
-    config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}   # record every collective
+    config["comms_logger"] = comms.LOGGER_BLOCK   # DeepSpeed's comms logger: record every collective
     return validate(config, device=detect().device, world_size=world)
 
 

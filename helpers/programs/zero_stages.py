@@ -13,6 +13,7 @@ import argparse
 import time
 
 import deepspeed
+from deepspeed.comm import comms_logger
 import torch
 from transformers import set_seed
 
@@ -91,7 +92,7 @@ def run_stage(a, block: dict, data, rt) -> dict:
     config = build_config(zero_stage=zero["stage"], micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
                           warmup_steps=2, total_steps=a.steps + 1, precision=precision, device=rt.device,
                           world_size=world_size(), offload_optimizer="offload_optimizer" in zero,   # DeepSpeedCPUAdam
-                          extra={"zero_optimization": zero})
+                          extra={"zero_optimization": zero, "comms_logger": comms.LOGGER_BLOCK})
     validate(config, device=rt.device, world_size=world_size(), capability=rt.capability)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     undo_optimizer_init_step(engine)   # stage 0 in 16 bits: see notebook 04, section 2
@@ -102,9 +103,10 @@ def run_stage(a, block: dict, data, rt) -> dict:
     losses = [train_step(engine, batches, a.grad_accum)]   # warm-up: buffers allocated, Adam state created
     held = held_while_accumulating(engine, batches, a.grad_accum)   # one step, model states read mid-accumulation
     sides = split_by_side(engine)                           # what lives on the accelerator side and on the host
-    comms.start_logging()
+    comms_logger.reset_data()                               # the config's comms_logger block records from here
+    written = comms.written_bytes()                         # and the kernel counts what this process writes
     losses.append(train_step(engine, batches, a.grad_accum))   # one step's collectives, logged
-    logged = comms.stop_logging()
+    logged, written = comms.logged(), comms.written_bytes() - written if written is not None else None
     step_s = []
     for _ in range(a.steps - 2):                            # timed steps: --steps + 1 in all, with the measured one
         start = time.perf_counter()
@@ -119,7 +121,9 @@ def run_stage(a, block: dict, data, rt) -> dict:
         "load_host_bytes": loaded["end"], "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(engine), **sides,
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
         "peak_memory_mib": peak_memory("cuda") / 2**20 if rt.is_gpu else None,
-        "step_s": step_s, "losses": losses, "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world)}
+        "step_s": step_s, "losses": losses, "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world),
+        # gloo's sends are writev calls: the kernel's count of this process's writes during the logged step
+        "comm_written_bytes": written if torch.distributed.get_backend() == "gloo" else None}
     engine.destroy()   # release hooks and buffers before the next stage's engine
     return result
 
