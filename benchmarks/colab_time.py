@@ -26,7 +26,7 @@ from helpers.hardware import GPUS
 from helpers.model import MODEL_SIZES, gpt2_param_count
 
 RANK_LAUNCHES = ("run_program(", "pipeline.run(")
-GPU_MODEL_GROWTH = {"03": ("tiny", "small"), "08": ("tiny", "small")}   # notebook -> (CPU model, GPU model) where auto_model_size differs
+GPU_MODEL_GROWTH = {"03": ("tiny", "small"), "08": ("tiny", "small"), "09": ("tiny", "small")}   # notebook -> (CPU model, GPU model) where auto_model_size differs
 
 
 def cell_seconds(cell) -> float:
