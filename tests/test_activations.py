@@ -28,3 +28,8 @@ def test_savings_subtracts_the_checkpointed_peak():
             for ckpt, m, p, t in ((False, 30.0, 25.0, 1.0), (True, 10.0, 5.0, 1.5))]
     assert activations.savings(rows) == [{"seq_len": 256, "saved_measured_MB": 20.0, "saved_predicted_MB": 20.0,
                                           "ratio": 1.0, "slowdown": 1.5}]
+
+
+def test_step_seconds_times_both_variants_in_one_child():
+    got = activations.step_seconds("tiny", 64, 1, "fp32", 512, steps=2)
+    assert set(got) == {"plain", "checkpointed"} and all(seconds > 0 for seconds in got.values()), got

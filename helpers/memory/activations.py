@@ -59,8 +59,32 @@ def _child_measure(model_size: str, seq_len: int, micro_batch: int, checkpointin
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"peak_bytes": peak, "forward_bytes": held, "seconds": median_high(times),
+    return {"peak_bytes": peak, "forward_bytes": held, "seconds": median_high(times) if times else None,
             "source": peak_source(device), "device": device, "n_params": sum(p.numel() for p in model.parameters())}
+
+
+def _child_time(model_size: str, seq_len: int, micro_batch: int, precision: str, vocab: int, steps: int) -> dict:
+    """Seconds per step without and with checkpointing, timed in turns in one process, the order flipped every
+    round: a busy moment of a shared machine slows both, so their ratio holds where two runs' times would not."""
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = {ckpt: _build(model_size, seq_len, vocab, precision, ckpt, device) for ckpt in (False, True)}
+    ids = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
+
+    def timed_step(model) -> float:
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()   # time the step, not its launch
+        return time.perf_counter() - start
+
+    for model in models.values():
+        timed_step(model)   # warm-up: lazy allocations, thread pools, the .grad tensors
+    times = {ckpt: [] for ckpt in models}
+    for turn in range(steps):
+        for ckpt in ((False, True) if turn % 2 == 0 else (True, False)):
+            times[ckpt].append(timed_step(models[ckpt]))
+    return {"plain": median_high(times[False]), "checkpointed": median_high(times[True])}
 
 
 def measure_step_memory(model_size: str = "tiny", seq_len: int = 256, micro_batch: int = 8,
@@ -73,10 +97,21 @@ def measure_step_memory(model_size: str = "tiny", seq_len: int = 256, micro_batc
     its free). `forward_bytes`: what the step holds between forward and backward (the saved activations and
     logits). `seconds`: median of `steps` steps after a warm-up, timed without the counting.
     """
-    args = dict(model_size=model_size, seq_len=seq_len, micro_batch=micro_batch, checkpointing=checkpointing,
-                precision=precision, vocab=vocab, steps=steps)
+    return _in_child("--measure", timeout, model_size=model_size, seq_len=seq_len, micro_batch=micro_batch,
+                     checkpointing=checkpointing, precision=precision, vocab=vocab, steps=steps)
+
+
+def step_seconds(model_size: str, seq_len: int, micro_batch: int, precision: str, vocab: int, steps: int,
+                 timeout: float = 300) -> dict:
+    """{"plain": s, "checkpointed": s}: median seconds per training step without and with checkpointing,
+    timed in turns in one fresh process (`_child_time`)."""
+    return _in_child("--time", timeout, model_size=model_size, seq_len=seq_len, micro_batch=micro_batch,
+                     precision=precision, vocab=vocab, steps=steps)
+
+
+def _in_child(mode: str, timeout: float, **args) -> dict:
     env = with_repo_on_path(dict(os.environ))
-    proc = subprocess.run([sys.executable, "-m", __name__, "--measure", json.dumps(args)],
+    proc = subprocess.run([sys.executable, "-m", __name__, mode, json.dumps(args)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"measuring child failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -90,18 +125,21 @@ def sweep(seq_lens=(256, 512, 1024), micro_batch: int = 1, model_size: str = "sm
     The defaults (4 layers, h = 256, a tiny vocabulary) make the layers' activations, not the logits or
     the allocator's noise, the bulk of the step. held_*: bytes kept between forward and backward;
     measured/predicted: the step's peak, which also holds what the formula leaves out (notebook 05 names it).
+    seconds: per step, without and with checkpointing timed in turns in one process (`step_seconds`).
     """
     rows = []
     for seq_len in seq_lens:
+        seconds = step_seconds(model_size, seq_len, micro_batch, precision, vocab, steps)
         for ckpt in (False, True):
-            got = measure_step_memory(model_size, seq_len, micro_batch, ckpt, precision, vocab, steps)
+            got = measure_step_memory(model_size, seq_len, micro_batch, ckpt, precision, vocab, steps=0)
             want = activation_bytes_for(model_size, seq_len, micro_batch, ckpt, precision, vocab)
             held = want["total"] - want["recompute"]   # what is stored between forward and backward
             rows.append({"seq_len": seq_len, "micro_batch": micro_batch, "checkpointing": ckpt,
                          "held_MB": got["forward_bytes"] / 1e6, "held_predicted_MB": held / 1e6,
                          "held_ratio": got["forward_bytes"] / held,
                          "measured_MB": got["peak_bytes"] / 1e6, "predicted_MB": want["total"] / 1e6,
-                         "ratio": got["peak_bytes"] / want["total"], "seconds": got["seconds"]})
+                         "ratio": got["peak_bytes"] / want["total"],
+                         "seconds": seconds["checkpointed" if ckpt else "plain"]})
     return rows
 
 
@@ -118,5 +156,5 @@ def savings(rows: list[dict]) -> list[dict]:
     return out
 
 
-if __name__ == "__main__":   # the measuring child: python -m helpers.memory.activations --measure '{...}'
-    print(json.dumps(_child_measure(**json.loads(sys.argv[2]))))
+if __name__ == "__main__":   # the measuring child: python -m helpers.memory.activations --measure|--time '{...}'
+    print(json.dumps({"--measure": _child_measure, "--time": _child_time}[sys.argv[1]](**json.loads(sys.argv[2]))))
