@@ -226,6 +226,27 @@ def save_json(config: dict, path: str | Path) -> Path:
     return path
 
 
+def config_lines(config: dict, prefix: str = "") -> dict[str, object]:
+    """One entry per setting, as a dotted key: {"zero_optimization.stage": 2, "bf16.enabled": True, ...}."""
+    lines = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            lines |= config_lines(value, f"{prefix}{key}.")
+        else:
+            lines[f"{prefix}{key}"] = value
+    return lines
+
+
+def differing_lines(base: dict, config: dict) -> list[str]:
+    """The settings in which `config` differs from `base`: "key: old -> new", "key: new" where base has no such
+    key, "key: old -> (absent)" where config has none."""
+    old, new = config_lines(base), config_lines(config)
+    absent = "(absent)"
+    return [f"{key}: " + (f"{json.dumps(new[key])}" if key not in old else
+                         f"{json.dumps(old[key])} -> " + (json.dumps(new[key]) if key in new else absent))
+            for key in [*new, *(k for k in old if k not in new)] if old.get(key, absent) != new.get(key, absent)]
+
+
 def load_json(path: str | Path) -> dict:
     """A config file as a dict; a missing, empty, unreadable or malformed one is a ConfigError naming it."""
     path = Path(path)

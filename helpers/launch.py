@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from helpers import REPO_ROOT, with_repo_on_path
+from helpers.config import differing_lines, save_json
 from helpers.errors import InputError, require_positive_int
 from helpers.precision import CPU_BF16_FLAGS, PRECISION_ENV, cpu_flags, cpu_matmul_speeds
 from helpers.runtime import free_port, process_rank
@@ -49,6 +50,34 @@ def write_result(out_dir, result: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+CONFIGS = "configs"   # OUT_DIR/configs/<n>_<label>.json: each run's DeepSpeed config, numbered in run order
+
+
+def save_config(out_dir, label: str, config: dict) -> None:
+    """Inside a rank, just before deepspeed.initialize: rank 0 saves the run's DeepSpeed config as
+    OUT_DIR/configs/<n>_<label>.json (a file `deepspeed --deepspeed_config` takes); run_program prints how they
+    differ. The number, not the file's time, keeps the run order: runs can save within one clock tick."""
+    if process_rank() == 0:
+        folder = Path(out_dir) / CONFIGS
+        n = len(list(folder.glob("*.json"))) + 1
+        save_json(config, folder / f"{n:02d}_{label}.json")
+
+
+def show_configs(out_dir) -> None:
+    """Print the configs a launch's runs handed DeepSpeed (save_config), in the order they ran: the first one's
+    file, then for each later one the settings in which it differs from the first."""
+    paths = sorted((Path(out_dir) / CONFIGS).glob("*.json"))   # zero-padded run numbers sort in run order
+    if not paths:
+        return
+    first, *later = paths
+    label = {p: p.stem.split("_", 1)[1] for p in paths}
+    print(f"  config of {label[first]}: {from_root(first)}")
+    base = paths_from_root(json.loads(first.read_text()))
+    for path in later:
+        changed = differing_lines(base, paths_from_root(json.loads(path.read_text())))
+        print(f"  {label[path]}: " + ("; ".join(changed) if changed else f"the same config as {label[first]}"))
 
 
 def show(program: str, *names: str) -> None:
@@ -90,11 +119,15 @@ def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: flo
     """Run helpers/programs/<program>.py on n_ranks with `options` as its flags (`checked_flags` first);
     each rank's result, by rank. `like_ranks`: place the ranks (device, threads) as a launch of that many
     would, e.g. a one-rank reference run beside a 2-rank one. `echo`: first print the command line, so that the
-    reader can run it from the repository root (see `command_line`)."""
+    reader can run it from the repository root (see `command_line`), and after the run the DeepSpeed configs
+    its runs used (see `show_configs`)."""
     module, args = checked_flags(program, n_ranks, launcher, out_dir, options)
     if echo:
         print("$", command_line(module, n_ranks, out_dir, args, launcher))
-    return launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher, like_ranks=like_ranks)
+    results = launch(module, n_ranks, args, out_dir=out_dir, timeout=timeout, launcher=launcher, like_ranks=like_ranks)
+    if echo:
+        show_configs(out_dir)
+    return results
 
 
 def command_line(module: str, n_ranks: int, out_dir, args: list[str], launcher: str = "torchrun") -> str:
@@ -113,6 +146,13 @@ def from_root(text) -> str:
     if path.is_absolute() and path.resolve().is_relative_to(REPO_ROOT):
         return str(path.resolve().relative_to(REPO_ROOT))
     return str(text)
+
+
+def paths_from_root(config: dict) -> dict:
+    """`config` with its path settings (e.g. an NVMe folder inside the repository) shown relative to the root,
+    as the printed command line shows them: the printed diff then reads the same on every machine."""
+    return {key: paths_from_root(value) if isinstance(value, dict) else from_root(value) if isinstance(value, str)
+            else value for key, value in config.items()}
 
 
 def checked_flags(program: str, n_ranks: int, launcher: str, out_dir, options: dict) -> tuple[str, list[str]]:
@@ -172,7 +212,7 @@ def fresh_out_dir(out_dir: str | Path) -> Path:
     """OUT_DIR without an earlier run's results and logs (they must never pass for this run's), with logs/."""
     out = Path(out_dir).resolve()
     shutil.rmtree(out / "logs", ignore_errors=True)
-    for stale in out.glob("rank*.json"):
+    for stale in [*out.glob("rank*.json"), *(out / CONFIGS).glob("*.json")]:
         stale.unlink()
     (out / "logs").mkdir(parents=True)
     return out

@@ -179,3 +179,48 @@ def test_a_port_taken_between_pick_and_bind_is_picked_again(launcher, tmp_path, 
         monkeypatch.setattr(helpers.launch, "free_port", lambda: next(ports, None) or real())
         results = launch(ECHO, 2, out_dir=tmp_path, timeout=120, launcher=launcher)
     assert [r["rank"] for r in results] == [0, 1] and next(ports, None) is None
+
+
+# ---- the configs a launch's runs used ----
+
+def test_differing_lines_name_each_changed_added_and_removed_setting():
+    from helpers.config import differing_lines
+    base = {"train_batch_size": 8, "zero_optimization": {"stage": 0, "overlap_comm": True}, "fp16": {"enabled": True}}
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
+              "bf16": {"enabled": True}}
+    assert differing_lines(base, config) == [
+        "zero_optimization.stage: 0 -> 2", "zero_optimization.reduce_bucket_size: 1000", "bf16.enabled: true",
+        "zero_optimization.overlap_comm: true -> (absent)", "fp16.enabled: true -> (absent)"]
+    assert differing_lines(config, config) == []
+
+
+def test_a_launch_prints_where_its_configs_are_and_how_they_differ(tmp_path, capsys, monkeypatch):
+    """Rank 0 saves each run's config (another rank saves none); show_configs names the first file and each
+    later run's settings that differ from it, in the order the runs saved them."""
+    from helpers.config import build_config
+    from helpers.launch import save_config, show_configs
+    monkeypatch.setattr("helpers.launch.process_rank", lambda: 1)   # an earlier test may have left a process group
+    save_config(tmp_path, "ignored", {"train_batch_size": 1})
+    assert not (tmp_path / "configs").exists()
+    monkeypatch.setattr("helpers.launch.process_rank", lambda: 0)
+    for stage in (3, 0, 2):   # not in name order
+        save_config(tmp_path, f"stage{stage}", build_config(device="cpu", zero_stage=stage, world_size=2))
+    show_configs(tmp_path)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"  config of stage3: {tmp_path / 'configs' / '01_stage3.json'}"
+    assert printed[1:] == ["  stage0: zero_optimization.stage: 3 -> 0", "  stage2: zero_optimization.stage: 3 -> 2"]
+    assert json.loads((tmp_path / "configs" / "03_stage2.json").read_text()) == build_config(
+        device="cpu", zero_stage=2, world_size=2)
+
+
+def test_a_path_setting_inside_the_repository_is_shown_from_its_root(tmp_path, capsys, monkeypatch):
+    """An NVMe folder under runs/ prints as runs/..., not as this machine's absolute path."""
+    from helpers.launch import REPO_ROOT, save_config, show_configs
+    monkeypatch.setattr("helpers.launch.process_rank", lambda: 0)
+    inside, outside = REPO_ROOT / "runs" / "x" / "nvme", tmp_path / "nvme"
+    for label, folder in (("cpu", None), ("inside", inside), ("outside", outside)):
+        save_config(tmp_path, label, {"zero_optimization": {"offload_param": {"nvme_path": folder and str(folder)}}})
+    show_configs(tmp_path)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1] == '  inside: zero_optimization.offload_param.nvme_path: null -> "runs/x/nvme"'
+    assert printed[2] == f'  outside: zero_optimization.offload_param.nvme_path: null -> "{outside}"'

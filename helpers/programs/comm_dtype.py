@@ -23,7 +23,7 @@ from helpers import comms
 from helpers.config import ConfigError, build_config
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
-from helpers.launch import write_result
+from helpers.launch import save_config, write_result
 from helpers.memory.measured import measurement_zero_extra
 from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.precision import PRECISIONS
@@ -86,6 +86,7 @@ def log_one_step(trainer) -> dict:
 def run_dtype(a, dtype: str, data, n_params: int) -> dict:
     """Train with gradients communicated in `dtype`; return bytes sent per step, losses and step times."""
     config = run_config(a, a.stage, n_params, extra={"communication_data_type": dtype})
+    save_config(a.out, dtype, config)
     trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size, seed=a.seed, output_dir=f"{a.out}/{dtype}")
     trainer.train(1, progress=False)     # warm-up: buffers allocated, optimizer state created
     logged = log_one_step(trainer)
@@ -155,8 +156,10 @@ def zeropp_trial(a, data, n_params: int) -> dict:
     """
     extra = zeropp_block(a.zeropp, a.hpz)
     result = {"features": a.zeropp, "zero_extra": extra, "ran": False, "failed_in": None, "error": None, "where": None, "losses": []}
+    config = run_config(a, 3, n_params, zero_extra=extra)
+    save_config(a.out, "zeropp", config)
     try:
-        trainer = AdvancedDeepSpeedTrainer(data, run_config(a, 3, n_params, zero_extra=extra), model_size=a.model_size,
+        trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size,
                                            seed=a.seed, output_dir=f"{a.out}/zeropp")
     except ConfigError as err:   # the validator stops it before DeepSpeed (on a CPU)
         return {**result, "failed_in": "helpers.config.validate", "error": f"ConfigError: {err}"}

@@ -29,7 +29,7 @@ import torch
 from transformers import set_seed
 
 from helpers.errors import integer
-from helpers.launch import write_result
+from helpers.launch import save_config, write_result
 from helpers.model import MODEL_SIZES, build_llama, build_model
 from helpers.precision import PRECISIONS, dtype, logit_tolerance, precision_block
 from helpers.programs.tensor_parallel import replaced_layers   # what AutoTP replaced, as notebook 07 showed it
@@ -142,7 +142,9 @@ def zero_inference(a, precision: str, ids, plain_tokens: list) -> dict:
     # cast first, as the plain model was: ZeRO-3 casts only the parameters, and a rotary inv_freq buffer left in
     # fp32 turns positions by other angles than the plain bf16 model does (the greedy tokens then part on a near-tie)
     model = load_model(a).to(dtype(precision))
-    engine, *_ = deepspeed.initialize(model=model, config=zero_inference_config(precision))
+    config = zero_inference_config(precision)
+    save_config(a.out, "zero_inference", config)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.module.eval()
     device_ids = ids.to(engine.device)
     # synced_gpus: each forward gathers every layer from all ranks, so all ranks must run the same forwards

@@ -23,7 +23,7 @@ from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
-from helpers.launch import write_result
+from helpers.launch import save_config, write_result
 from helpers.runtime import detect, init_single_process, quiet_deepspeed
 from helpers.model import MODEL_SIZES, build_model
 
@@ -168,6 +168,7 @@ def make_engine(model, a, precision: str, world: int):
                                                                    "name": "shared"})
     described = [{"name": g["name"], "moe": g.get("moe", False), "params": sum(p.numel() for p in g["params"])}
                  for g in groups]
+    save_config(a.out, "moe", config)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=groups)
     # ZeRO 1-2 swap each group's parameters for this rank's fp32 partition of them: the shared group is
     # split over all ranks, an expert group only over the ranks holding the same experts.

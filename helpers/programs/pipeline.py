@@ -27,7 +27,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from helpers.config import build_config
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
-from helpers.launch import write_result
+from helpers.launch import save_config, write_result
 from helpers.model import MODEL_SIZES
 from helpers.pipeline import STAGES, layer_param_formula, stage_param_formula
 from helpers.pipeline_schedule import InstructionTimer, bubble_fraction
@@ -198,7 +198,9 @@ def train_pipeline(a, m: int, data) -> dict:
     config = model_config(a, data.vocab_size)
     specs = gpt2_layer_specs(config)
     module = build_pipeline(specs, STAGES, a.partition_method, a.seed)
-    engine, *_ = deepspeed.initialize(model=module, config=ds_config(a, m),
+    ds = ds_config(a, m)
+    save_config(a.out, f"pipeline_m{m}", ds)
+    engine, *_ = deepspeed.initialize(model=module, config=ds,
                                       model_parameters=[p for p in module.parameters() if p.requires_grad])
     timer = InstructionTimer(engine)
     losses, step_s, events = [], [], []
@@ -221,7 +223,9 @@ def train_pipeline(a, m: int, data) -> dict:
 def train_unsplit(a, m: int, data) -> dict:
     """Train the same layers whole on this one rank with the usual forward/backward/step loop."""
     model = UnsplitModel(gpt2_layer_specs(model_config(a, data.vocab_size)), seed=a.seed)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(a, m), model_parameters=model.parameters())
+    ds = ds_config(a, m)
+    save_config(a.out, f"unsplit_m{m}", ds)
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     losses, step_s = [], []
     for step in range(a.steps):
         start = time.perf_counter()

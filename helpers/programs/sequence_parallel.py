@@ -28,7 +28,7 @@ from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
-from helpers.launch import write_result
+from helpers.launch import save_config, write_result
 from helpers.memory.measured import held_bytes, measurement_zero_extra, saved_for_backward, storage_bytes
 from helpers.model import MODEL_SIZES, build_llama, llama_param_count
 from helpers.precision import PRECISIONS
@@ -180,6 +180,7 @@ def run_stage(a, stage: int, data, precision: str, mpu) -> dict:
     rank, replicas = torch.distributed.get_rank(), torch.distributed.get_world_size() // a.sp_size
     n_params = llama_param_count(data.vocab_size, *MODEL_SIZES[a.model_size][:2])["total"]
     config = ulysses_config(a, stage, precision, replicas, n_params)
+    save_config(a.out, f"stage{stage}", config)
     model = build_llama(data.vocab_size, max([a.seq_len, *a.lengths]), a.model_size, seed=a.seed)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters(), mpu=mpu)
     replica, sp_rank = divmod(rank, a.sp_size)   # DeepSpeed's groups: ranks r*p .. r*p+p-1 split replica r's sequences

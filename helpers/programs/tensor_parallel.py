@@ -27,7 +27,7 @@ from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
-from helpers.launch import write_result
+from helpers.launch import save_config, write_result
 from helpers.memory.measured import held_bytes, measurement_zero_extra
 from helpers.model import MODEL_SIZES, build_llama, llama_param_count
 from helpers.precision import PRECISIONS
@@ -128,6 +128,7 @@ def export_whole(engine, folder: Path) -> dict:
 def run_stage(a, stage: int, data, precision: str, replicas: int) -> dict:
     n_params = llama_param_count(data.vocab_size, *MODEL_SIZES[a.model_size][:2])["total"]
     config = autotp_config(a, stage, precision, replicas, n_params)
+    save_config(a.out, f"stage{stage}", config)
     engine = make_engine(a, config, data.vocab_size)
     my_groups = process_groups(a.tp_size)
     replica = my_groups["data_parallel"].index(torch.distributed.get_rank())   # which batches this rank draws

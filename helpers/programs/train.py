@@ -203,6 +203,7 @@ def run_length(config: dict, steps: int | None) -> int:
 def train(a: argparse.Namespace) -> dict:
     """Hand the file's dict to the trainer, train to --steps with checkpoints, and report the run."""
     from helpers.interrupts import holding_signals
+    from helpers.launch import save_config
     from helpers.runtime import detect, local_world_size, process_rank, run_dir, world_size
     from helpers.trainer import AdvancedDeepSpeedTrainer
     output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
@@ -214,6 +215,8 @@ def train(a: argparse.Namespace) -> dict:
     data, held_out = own_data(a, config, world_size()) if a.data is not None else synthetic_data(a)
     # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
     compile = a.compile or bool((config.get("compile") or {}).get("deepcompile"))
+    if a.out:
+        save_config(a.out, Path(a.config).stem, config)
     with holding_signals():   # a SIGTERM or SIGINT from here on ends the run at a step boundary, saved
         trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
                                            name=Path(a.config).stem, resume_from=a.resume_from, compile=compile)

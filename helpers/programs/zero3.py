@@ -30,7 +30,7 @@ from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
-from helpers.launch import write_result
+from helpers.launch import save_config, write_result
 from helpers.memory.measured import allocated_peak
 from helpers.model import MODEL_SIZES, build_model
 from helpers.precision import PRECISIONS
@@ -198,6 +198,7 @@ def main(argv=None):
     runs = []
     for name in a.knobs:
         config = zero3_config(a, precision, world, KNOBS[name])
+        save_config(a.out, name, config)
         model, built = build_partitioned(a, config)
         run = {"knobs": name, "config": config, **built, "held": partition_elements(model)}
         if not runs:

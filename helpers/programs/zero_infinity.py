@@ -30,7 +30,7 @@ from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
-from helpers.launch import write_result
+from helpers.launch import save_config, write_result
 from helpers.memory.measured import measurement_zero_extra, storage_bytes, tensors_in
 from helpers.model import MODEL_SIZES, build_model
 from helpers.precision import PRECISIONS
@@ -150,6 +150,7 @@ def run(a, kind: str, data, precision: str) -> dict:
     model = build_model(a.vocab, a.seq_len, a.model_size, data.tokenizer.pad_token_id, a.seed)   # same weights
     nvme = (Path(a.out) / "nvme").resolve()
     config = infinity_config(a, kind, precision, model, nvme)
+    save_config(a.out, kind, config)
     if precision == "fp32":
         # deepspeed.initialize partitions the model with zero.Init(dtype=<the params' dtype>), and on an
         # accelerator without fp16 (a CPU) DeepSpeed 0.19's Init._set_dtype then picks bfloat16 instead (its

@@ -22,7 +22,7 @@ from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
-from helpers.launch import flags, write_result
+from helpers.launch import flags, save_config, write_result
 from helpers.memory.measured import (allocated_peak, held_while_accumulating, measurement_zero_extra, peak_memory,
                                      split_by_side, zero2_overhang_bytes)
 from helpers.model import MODEL_SIZES, build_model
@@ -94,6 +94,7 @@ def run_stage(a, block: dict, data, rt) -> dict:
                           world_size=world_size(), offload_optimizer="offload_optimizer" in zero,   # DeepSpeedCPUAdam
                           extra={"zero_optimization": zero, "comms_logger": comms.LOGGER_BLOCK})
     validate(config, device=rt.device, world_size=world_size(), capability=rt.capability)
+    save_config(a.out, f"stage{zero['stage']}", config)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     undo_optimizer_init_step(engine)   # stage 0 in 16 bits: see notebook 04, section 2
     batches = ResumableBatches(data, a.micro_batch, a.seed, process_rank(), world_size())
