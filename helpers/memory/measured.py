@@ -256,6 +256,10 @@ def allocated_peak(device: str):
         return
     with _live_storages() as storages:
         yield result
+        gc.collect()   # a reference cycle made inside the block is not held by anyone
+        import torch.distributed
+        if torch.distributed.is_initialized():   # a gloo worker frees a collective's tensor just after the wait returns
+            torch.distributed.barrier()
     result.update(peak=storages.peak, end=storages.live)
 
 
