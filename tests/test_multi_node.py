@@ -1,7 +1,8 @@
 """Two "nodes" on localhost (tests/nodes.py), 2 ranks each, one launcher invocation per node: torchrun's
 --nnodes/--node_rank form at ZeRO 2 and DeepSpeed's launcher (--hostfile, --no_ssh, --node_rank) at ZeRO 3,
 training on a text file. The 2-node run must equal the 1-node run with the same world size, its ranks must
-agree on one model, and it must save and resume exactly."""
+agree on one model, and it must save and resume exactly (resume run at ZeRO 3, the launcher and stage that
+partition most, to keep CI within its budget; tests/test_resume.py resumes every stage on one node)."""
 import pytest
 
 from helpers import REPO_ROOT, presets
@@ -29,8 +30,9 @@ def runs(request, text, tmp_path_factory):
     two_nodes = run_on_nodes("train", 2, 2, out_dir=out / "two_nodes", launcher=launcher,
                              **options(stage, text, save_every=2))
     one_node = run_program("train", 4, out_dir=out / "one_node", **options(stage, text))
-    resumed = run_on_nodes("train", 2, 2, out_dir=out / "resumed", launcher=launcher,
-                           **options(stage, text, resume_from=out / "two_nodes" / "checkpoints" / "step2"))
+    resumed = None if stage != 3 else run_on_nodes(
+        "train", 2, 2, out_dir=out / "resumed", launcher=launcher,
+        **options(stage, text, resume_from=out / "two_nodes" / "checkpoints" / "step2"))
     return stage, two_nodes, one_node, resumed
 
 
@@ -53,7 +55,9 @@ def test_the_ranks_of_both_nodes_train_one_model(runs):
 
 
 def test_a_two_node_checkpoint_resumes_exactly(runs):
-    _, two_nodes, _, resumed = runs
+    stage, two_nodes, _, resumed = runs
+    if resumed is None:
+        pytest.skip(f"resume is run at ZeRO 3 only; ZeRO {stage}'s two-node run is compared above")
     assert [r["steps"] for r in resumed] == [4] * 4
     assert [rank[2:] for rank in losses(resumed)] == [rank[2:] for rank in losses(two_nodes)]   # steps 3-4, trained again
     assert [r["eval_loss"] for r in resumed] == [r["eval_loss"] for r in two_nodes]
