@@ -35,20 +35,23 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     # Kernels and rank programs inherit it: no notebook run writes inside the checkout.
     os.environ.setdefault("TUTORIAL_RUN_DIR", tempfile.mkdtemp(prefix="tutorial-runs-"))
-    TIMELINE.update(started=time.monotonic(), plugins=config.pluginmanager)
+    config.pluginmanager.register(Timeline(config), "timeline")
 
 
-TIMELINE = {"started": 0.0, "file": None, "plugins": None}
-
-
-@pytest.hookimpl(trylast=True)   # after the terminal reporter has written the file's name
-def pytest_runtest_logstart(nodeid, location):
+class Timeline:
     """CI's log reads as a timeline: each file's line says when the file started ("tests/x.py [312 s] ...."),
-    so a run cut off by CI's time limit still shows where the minutes went."""
-    reporter = TIMELINE["plugins"].get_plugin("terminalreporter")
-    if location[0] != TIMELINE["file"] and reporter is not None and reporter.verbosity <= 0:   # -v: a line per test
-        TIMELINE["file"] = location[0]
-        reporter.write(f"[{time.monotonic() - TIMELINE['started']:.0f} s] ")
+    so a run cut off by CI's time limit still shows where the minutes went. A plugin, not a hook of this
+    conftest: those see only the items under tests/, not the notebooks'."""
+
+    def __init__(self, config):
+        self.config, self.started, self.file = config, time.monotonic(), None
+
+    @pytest.hookimpl(trylast=True)   # after the terminal reporter has written the file's name
+    def pytest_runtest_logstart(self, nodeid, location):
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if location[0] != self.file and reporter is not None and reporter.verbosity <= 0:   # -v: a line per test
+            self.file = location[0]
+            reporter.write(f"[{time.monotonic() - self.started:.0f} s] ")
 
 
 def pytest_collection_modifyitems(config, items):
