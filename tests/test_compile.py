@@ -22,11 +22,12 @@ def test_compile_must_be_a_bool(data, tmp_path):
         trainer(data, tmp_path, compile="yes")
 
 
-@pytest.mark.parametrize("stage", [0, 3])   # ZeRO 3: the model compiled in pieces between DeepSpeed's gather hooks
-def test_compiled_losses_follow_the_eager_ones(data, tmp_path, stage):
-    """inductor fuses the elementwise ops (other rounding), so equal within float tolerance, not bitwise."""
-    eager = trainer(data, tmp_path / "eager", zero_stage=stage).train(4, progress=False)
-    compiled = trainer(data, tmp_path / "compiled", zero_stage=stage, compile=True)
+def test_compiled_losses_follow_the_eager_ones_at_zero_3(data, tmp_path):
+    """inductor fuses the elementwise ops (other rounding), so equal within float tolerance, not bitwise.
+    ZeRO 3: the model compiled in pieces between DeepSpeed's gather hooks. ZeRO 0 is notebook 03's section 7,
+    which compares compiled and eager losses in both precisions (nbval runs it twice)."""
+    eager = trainer(data, tmp_path / "eager", zero_stage=3).train(4, progress=False)
+    compiled = trainer(data, tmp_path / "compiled", zero_stage=3, compile=True)
     steps = compiled.train(4, progress=False)
     for e, c in zip(eager, steps):
         assert c["loss"] == pytest.approx(e["loss"], rel=2e-3), (e, c)
@@ -37,8 +38,11 @@ def test_compiled_losses_follow_the_eager_ones(data, tmp_path, stage):
 
 @pytest.mark.precision
 def test_a_resumed_compiled_run_repeats_the_straight_one(tmp_path):
-    rows = resume.compare(resume.run(1, stages=(0, 2), steps=4, out_dir=tmp_path, grad_accum=1, compile=True))
-    assert [row["stage"] for row in rows] == [0, 2]
+    """At ZeRO 2 (a partitioned optimizer state to restore); tests/test_resume.py resumes every stage eagerly.
+    What compiling adds does not depend on the stage: DeepSpeed compiles the module in place (nn.Module.compile,
+    its state-dict names unchanged), and the resumed process compiles it again before its first step."""
+    rows = resume.compare(resume.run(1, stages=(2,), steps=4, out_dir=tmp_path, grad_accum=1, compile=True))
+    assert [row["stage"] for row in rows] == [2]
     for row in rows:
         assert row["steps compared"] == 2 and row["same steps"] and row["same lr"] and row["same data"], row
         assert row["max |loss difference|"] == 0.0, row
