@@ -44,16 +44,20 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
                  job_name: str = "run", device: str = "cuda", extra: dict | None = None) -> dict:
     """A complete DeepSpeed config: ZeRO stage, precision, AdamW with warmup then linear decay.
 
+    On every device the optimizer is torch's AdamW ("torch_adam": true, with `fused`: one kernel per tensor)
+    unless it is offloaded to DeepSpeedCPUAdam. On a GPU that spares DeepSpeed's FusedAdam, a CUDA op JIT-built
+    with nvcc on first use: minutes of set-up, and a failure wherever nvcc's CUDA differs from torch's (as on
+    some Colab images); torch's fused AdamW does the same update with no build. On a CPU, DeepSpeed's FusedAdam
+    kernel rounds by where tensors sit in memory, so a resumed run drifts by a few ulps; torch's AdamW resumes
+    bitwise (and is ~10x faster here).
+
     device="cpu" adds the CPU settings the trainer's runs use (zero_extra and extra, top-level keys, win):
-    - torch_adam (torch.optim.AdamW, with `fused`: one kernel per tensor, ~10x DeepSpeed's CPU FusedAdam
-      here) unless the optimizer is offloaded to DeepSpeedCPUAdam. FusedAdam's CPU kernel rounds by where
-      tensors sit in memory, so a resumed run drifts by a few ulps; torch's AdamW resumes bitwise.
     - on one rank, ZeRO 1/2 without contiguous_gradients: its reduce bucket (5e8 elements) is allocated
       fresh every backward (DeepSpeedZeroOptimizer.setup_buckets), a new memory mapping on a CPU whose
       pages fault in each step (~15 ms for 4.3M params), for gradients no other rank waits for.
     """
     on_cpu = device == "cpu"
-    torch_adam = (on_cpu and not offload_optimizer) if torch_adam is None else torch_adam
+    torch_adam = not offload_optimizer if torch_adam is None else torch_adam
     if on_cpu and world_size == 1 and zero_stage in (1, 2):
         zero_extra = {"contiguous_gradients": False, **(zero_extra or {})}
     config = {

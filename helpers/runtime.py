@@ -212,3 +212,18 @@ def keep_freed_memory() -> bool:
     settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**30), (M_TOP_PAD, 2**28))
     accepted = [libc.mallopt(param, value) == 1 for param, value in settings]   # each tried, even after a refusal
     return all(accepted)
+
+
+def compile_problem(device: str) -> str | None:
+    """Why torch.compile cannot generate kernels on `device`, or None where it can. On a GPU inductor writes
+    Triton kernels, and whether this Triton compiles for this GPU (a T4 is sm_75; recent Triton releases
+    target newer GPUs first) is answered here by compiling and running one small function on it, not by a
+    version table. On a CPU inductor writes C++ with the compiler torch finds (tested in CI)."""
+    if device == "cpu":
+        return None
+    try:
+        twice_plus_one = torch.compile(lambda x: x * 2 + 1)
+        ok = torch.equal(twice_plus_one(torch.ones(8, device=device)), torch.full((8,), 3.0, device=device))
+    except Exception as err:   # inductor/Triton raise many types; the reader needs the first line
+        return f"torch.compile failed on {device}: {str(err).strip().splitlines()[0][:200]}"
+    return None if ok else "torch.compile ran on this GPU but computed a wrong result"

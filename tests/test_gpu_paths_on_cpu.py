@@ -164,3 +164,31 @@ def test_a_zero0_checkpoint_of_the_fusedadam_wrapper_names_every_parameter_shape
     own = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}   # the tied lm_head is not listed
     assert parameter_shapes(state) == own and len(own) > 1
 
+
+
+def notebook_cell(notebook: str, first_line: str) -> str:
+    """The source of the one code cell of notebooks/<notebook>*.ipynb that starts with `first_line`."""
+    import nbformat
+    path = next((REPO_ROOT / "notebooks").glob(f"{notebook}_*.ipynb"))
+    [cell] = [c for c in nbformat.read(path, as_version=4).cells if c.source.startswith(first_line)]
+    return cell.source
+
+
+def test_the_kernels_bucket_check_uses_the_kernels_own_bytes_beside_fp32_ranks():
+    """On one GPU, notebook 08's section 1 runs as CPU ranks in fp32 (4 bytes a gradient) while its bucket
+    section builds engines in the kernel on the GPU in 16 bits (2 bytes): the bucket check must take the kernel
+    engine's bytes. Rebuilt on a CPU: the kernel's engines in bf16 beside a section 1 that measured 4 bytes."""
+    import deepspeed
+    from helpers import plots
+    from helpers.model import MODEL_SIZES
+    from helpers.runtime import Runtime
+    params = {}
+    exec(notebook_cell("08", "# Parameters"), params)   # noqa: S102 (the notebook's own parameters)
+    vocab, size = params["VOCAB"], params["Z3_MODEL_SIZE"]
+    space = {**params, "torch": torch, "deepspeed": deepspeed, "plots": plots, "build_model": build_model,
+             "rt": Runtime("cpu", "a CPU", None, 24.0, "bf16", "as a GPU's kernel: 16 bits"),
+             "bytes_per": 4,   # what section 1's fp32 ranks measured
+             "psi": sum(p.numel() for p in build_model(vocab, 64, size, seed=0).parameters())}
+    exec(notebook_cell("08", "# One step at ZeRO-1 and ZeRO-2"), space)   # noqa: S102
+    exec(notebook_cell("08", "# Check: at the default, each stage's step peaks"), space)   # noqa: S102
+    assert {r["bytes per gradient"] for r in space["bucket_rows"]} == {2}

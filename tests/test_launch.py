@@ -224,3 +224,41 @@ def test_a_path_setting_inside_the_repository_is_shown_from_its_root(tmp_path, c
     printed = capsys.readouterr().out.splitlines()
     assert printed[1] == '  inside: zero_optimization.offload_param.nvme_path: null -> "runs/x/nvme"'
     assert printed[2] == f'  outside: zero_optimization.offload_param.nvme_path: null -> "{outside}"'
+
+
+def reference_launches() -> list[tuple[str, int, str]]:
+    """(where, line, source) of every 1-rank `run_program` call in the notebooks and helpers/ that has no
+    `like_ranks`: such a launch runs on the GPU of a one-GPU machine, in the GPU's precision."""
+    import ast
+    import nbformat
+    from helpers import REPO_ROOT
+    sources = [(p.name, "\n".join(l[:len(l) - len(l.lstrip())] + "pass" if l.lstrip().startswith(("%", "!")) else l
+                                  for l in c.source.splitlines()))   # an IPython magic line: a statement
+               for p in sorted((REPO_ROOT / "notebooks").glob("[0-9]*.ipynb"))
+               for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code"]
+    sources += [(str(p.relative_to(REPO_ROOT)), p.read_text()) for p in sorted((REPO_ROOT / "helpers").rglob("*.py"))]
+    found = []
+    for where, source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "run_program"
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == 1
+                    and "like_ranks" not in {k.arg for k in node.keywords}):
+                found.append((where, node.lineno, ast.get_source_segment(source, node)[:120]))
+    return found
+
+
+def test_every_one_rank_reference_is_placed_like_its_multi_rank_peers():
+    """On a one-GPU machine (Colab's T4) a 1-rank launch gets the GPU and its precision (fp16 on a T4) while
+    2 or more ranks run as CPU processes in the CPU's: a 1-rank reference for them must say `like_ranks`."""
+    assert reference_launches() == []
+
+
+@pytest.mark.parametrize("n_ranks, like_ranks, on_gpu", [(1, None, True), (2, None, False), (1, 2, False)])
+def test_a_one_gpu_machine_places_ranks_by_the_launch_they_stand_beside(n_ranks, like_ranks, on_gpu, monkeypatch):
+    from helpers import launch as launching
+    from helpers.precision import PRECISION_ENV
+    monkeypatch.setattr(launching, "gpu_count", lambda: 1)   # a T4 on Colab, as torch would count it
+    monkeypatch.setenv(PRECISION_ENV, "fp16")                  # what the kernel's rule picks on a T4
+    env = launching.child_env(like_ranks or n_ranks)
+    assert (env.get("CUDA_VISIBLE_DEVICES") != "") == on_gpu
+    assert (env.get(PRECISION_ENV) == "fp16") == on_gpu      # CPU ranks take the CPU rule's precision

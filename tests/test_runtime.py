@@ -184,3 +184,12 @@ def test_kept_memory_spares_later_training_steps_their_page_faults():
     # of 4 KiB for the logits alone, more for their gradient and the softmax); kept, the pages are reused.
     assert faults["default"]["faults"] >= 8192, faults
     assert faults["keep"]["faults"] < faults["default"]["faults"] / 10, faults
+
+
+def test_compile_problem_is_none_where_inductor_builds_and_one_line_where_it_cannot():
+    import torch
+    from helpers.runtime import compile_problem
+    assert compile_problem("cpu") is None   # CI compiles on the CPU in notebook 03 and tests/test_compile.py
+    if not torch.cuda.is_available():       # a device this torch cannot run: the reason, in one line
+        why = compile_problem("cuda")
+        assert why.startswith("torch.compile failed on cuda: ") and "\n" not in why

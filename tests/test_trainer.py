@@ -102,8 +102,19 @@ def test_cpu_defaults_fused_adamw_and_no_bucket_on_one_rank():
     assert build_config(zero_stage=1, device="cpu", world_size=2)["zero_optimization"] == {"stage": 1}
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_gpu_config_asks_for_no_optimizer_that_needs_a_cuda_build(precision):
+    """DeepSpeed's FusedAdam is JIT-built with nvcc on first use (a Colab failure when nvcc's CUDA is not torch's);
+    the trainer's GPU configs ask for torch's fused AdamW at every stage, DeepSpeedCPUAdam where offloaded."""
+    for stage in (0, 1, 2, 3):
+        params = build_config(zero_stage=stage, precision=precision, device="cuda")["optimizer"]["params"]
+        assert params["torch_adam"] and params["fused"], stage
+    offload = build_config(zero_stage=2, precision=precision, offload_optimizer=True, device="cuda")
+    assert "torch_adam" not in offload["optimizer"]["params"]
+
+
 # build_config's AdamW without torch_adam: DeepSpeed's FusedAdam, under its FP16_Optimizer wrapper at ZeRO 0
-FUSED_ADAM = build_config(lr=3e-3)["optimizer"]
+FUSED_ADAM = build_config(lr=3e-3, torch_adam=False)["optimizer"]
 
 
 @pytest.mark.parametrize("optimizer", [None, FUSED_ADAM], ids=["torch-adamw", "deepspeed-fusedadam"])
