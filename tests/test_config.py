@@ -87,7 +87,8 @@ def test_bad_config_names_the_field(mutate, device, world, field):
     (lambda c: c.pop("optimizer"), "no 'optimizer' block"),
     # found by the Hypothesis run: DeepSpeed hands `fused` to its FusedAdam, whose constructor has no such argument
     (lambda c: c["optimizer"]["params"].update(torch_adam="", fused=True), "optimizer.params.torch_adam='' (str)"),
-    (lambda c: c["optimizer"]["params"].update(fused=True), "optimizer.params.fused: only torch's AdamW takes it"),
+    (lambda c: c["optimizer"]["params"].update(torch_adam=False, fused=True),
+     "optimizer.params.fused: only torch's AdamW takes it"),
     (lambda c: c["scheduler"].update(type="WarmupDecay"), "(did you mean 'WarmupDecayLR'?)"),
     (lambda c: c["scheduler"]["params"].update(warmup_type="cosine"), "scheduler.params.warmup_type='cosine'"),
     (lambda c: c["scheduler"]["params"].pop("total_num_steps"), "scheduler.params.total_num_steps is missing"),
