@@ -75,6 +75,9 @@ def build_config(*, micro_batch: int = 8, grad_accum: int = 1, world_size: int =
         "zero_optimization": zero_block(zero_stage, offload_optimizer, offload_param, zero_extra),
         "steps_per_print": 10**9,   # the trainer reports metrics itself
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronises the device at every forward start and step
+        # end (utils/timer.py, ThroughputTimer); it only feeds steps_per_print's log, and the trainer times steps itself.
+        "timers": {"throughput": {"enabled": False}},
         **precision_block(precision),
     }
     if tensorboard_dir is not None:

@@ -27,6 +27,10 @@ def build_model(vocab_size: int, n_positions: int, size: str = "tiny", pad_token
     cfg = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
                      n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=None, eos_token_id=None, pad_token_id=pad_token_id)
+    # use_cache stays on in training, though no one reads the cache: without a cache (and without an attention
+    # mask) transformers 5's causal-mask builder looks for packed sequences with a host read of the position ids
+    # (masking_utils.create_causal_mask -> find_packed_sequence_indices), a GPU sync in every forward; the cache
+    # object only holds references to keys and values autograd keeps anyway (counted in tests/test_host_reads.py).
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"   # transformers warns when a model leaves it unset

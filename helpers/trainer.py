@@ -138,7 +138,7 @@ class AdvancedDeepSpeedTrainer:
         lr = self.engine.get_lr()[0]          # the rate this step's update uses
         losses, own_norm = [], None
         for micro in range(self.grad_accum):
-            ids = self.batches.next().to(self.engine.device)
+            ids = self._to_device(self.batches.next())
             loss = self.engine(input_ids=ids, labels=ids).loss
             with self._skip_one_rank_allreduce():
                 self.engine.backward(loss)
@@ -147,20 +147,36 @@ class AdvancedDeepSpeedTrainer:
                                                          if p.grad is not None])
             self.engine.step()
             losses.append(loss.detach())
-        loss = torch.stack(losses).float().mean().item()   # one host sync per step, not per micro-batch
+        loss, norm = self._read(torch.stack(losses).float().mean(),
+                                own_norm if own_norm is not None else self.engine.get_global_grad_norm())
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {self.step}: lower lr "
                                      f"(now {lr:g}) or enable gradient clipping")
         seconds = time.perf_counter() - start
-        norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         tokens = ids.numel() * self.grad_accum * self.engine.world_size
         metrics = {"step": self.step, "loss": loss, "lr": lr, "skipped_steps": self.engine.skipped_steps,
-                   "grad_norm": float(norm) if norm is not None else float("nan"),
+                   "grad_norm": norm,
                    "tokens_per_s": tokens / seconds, "step_s": seconds,
                    "memory_mib": peak_memory(self.runtime.device) / 2**20}
         if self.precision == "fp16":   # dynamic loss scaling: the scale the next step starts from
             metrics["loss_scale"] = float(self.engine.optimizer.loss_scale)
         return metrics
+
+    def _to_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """A batch on the engine's device. On a GPU it goes through pinned memory, whose copy the host only queues:
+        a copy from ordinary (pageable) memory makes the host wait for every kernel queued before it."""
+        if self.engine.device.type == "cuda":
+            return ids.pin_memory().to(self.engine.device, non_blocking=True)
+        return ids.to(self.engine.device)
+
+    @staticmethod
+    def _read(loss: torch.Tensor, norm) -> tuple[float, float]:
+        """The step's loss and gradient norm as numbers, in one host read (on a GPU each read waits for the
+        device). DeepSpeed gives the norm as a tensor, a float, or None where it keeps none."""
+        if torch.is_tensor(norm):
+            loss, norm = torch.stack([loss, norm.to(loss)]).tolist()
+            return loss, norm
+        return loss.item(), float("nan") if norm is None else float(norm)
 
     def _skip_one_rank_allreduce(self):
         """At ZeRO 0 DeepSpeed all-reduces the gradients after every backward, even on one rank, where
