@@ -73,11 +73,15 @@ def warmup_decay(k: int, warmup: int, total: int) -> float:
     return i / warmup if i < warmup else max(0.0, (total - i) / max(1.0, total - warmup))
 
 
-def run_config(s: Setup, stage: int, out: Path, job_name: str) -> dict:
-    """The DeepSpeed config both DeepSpeed contenders run (the trainer and HF's Trainer), this device's defaults."""
-    return build_config(zero_stage=stage, precision=s.precision, micro_batch=s.micro_batch, lr=s.lr,
+def run_config(s: Setup, stage: int, out: Path, job_name: str, autocast: bool = False) -> dict:
+    """The DeepSpeed config both DeepSpeed contenders run (the trainer and HF's Trainer), this device's defaults.
+    autocast: bf16 through DeepSpeed's "torch_autocast" block (fp32 weights, torch.autocast around the forward, the
+    plain loop's math; runtime/torch_autocast.py) instead of its "bf16" block (16-bit weights, fp32 masters)."""
+    precision = "fp32" if autocast else s.precision
+    extra = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}} if autocast and s.precision == "bf16" else None
+    return build_config(zero_stage=stage, precision=precision, micro_batch=s.micro_batch, lr=s.lr,
                         warmup_steps=s.warmup, total_steps=s.total, grad_clip=s.grad_clip, device=detect().device,
-                        tensorboard_dir=out / "tensorboard", job_name=job_name)
+                        tensorboard_dir=out / "tensorboard", job_name=job_name, extra=extra)
 
 
 class Plain:
@@ -135,10 +139,11 @@ class DeepSpeedTrainer:
     """helpers.trainer.AdvancedDeepSpeedTrainer at one ZeRO stage, with its defaults (compiled: compile=True,
     DeepSpeed's engine.compile())."""
 
-    def __init__(self, data: TokenData, s: Setup, stage: int, compile: bool = False):
-        out = Path(s.out_dir) / f"ds{stage}"
-        self.trainer = AdvancedDeepSpeedTrainer(data, run_config(s, stage, out, f"ds{stage}"), seed=s.seed, model_size=s.model_size,
-                                                output_dir=out, name=f"ds{stage}", compile=compile)
+    def __init__(self, data: TokenData, s: Setup, stage: int, compile: bool = False, autocast: bool = False):
+        name = f"ds{stage}" + (AUTOCAST if autocast else "") + (COMPILED if compile else "")
+        out = Path(s.out_dir) / name
+        self.trainer = AdvancedDeepSpeedTrainer(data, run_config(s, stage, out, name, autocast), seed=s.seed,
+                                                model_size=s.model_size, output_dir=out, name=name, compile=compile)
 
     def train(self, steps: int) -> None:
         self.trainer.train(steps, progress=False)
@@ -269,6 +274,7 @@ def hf_arguments(config: dict, s: Setup, out: Path, compile: bool = False):
 
 
 COMPILED = "-compiled"   # the suffix of a compiled contender's name: plain-compiled, ds2-compiled, hf0-compiled
+AUTOCAST = "-autocast"   # a trainer in bf16 through torch_autocast instead of the bf16 block: ds0-autocast
 PLAIN_KEPT = "plain-kept"   # the plain loop with glibc's malloc keeping freed memory (keep_freed_memory)
 
 
@@ -279,8 +285,10 @@ def make_contender(name: str, data: TokenData, setup: Setup):
     base, compile = name.removesuffix(COMPILED), name.endswith(COMPILED)
     if base in ("plain", "plain2", PLAIN_KEPT):
         return Plain(data, setup, compile, keep_memory=base == PLAIN_KEPT)
+    if base.startswith("ds") and base.endswith(AUTOCAST) and base[2:].removesuffix(AUTOCAST).isdigit():
+        return DeepSpeedTrainer(data, setup, int(base[2:].removesuffix(AUTOCAST)), compile, autocast=True)
     kinds = {"ds": DeepSpeedTrainer, "hf": HFTrainer}
     if base[:2] in kinds and base[2:].isdigit():
         return kinds[base[:2]](data, setup, int(base[2:]), compile)
-    raise ValueError(f"unknown contender {name!r}: use 'plain', 'plain2', {PLAIN_KEPT!r}, 'ds0'..'ds3' or "
-                     f"'hf0'..'hf3', each optionally with {COMPILED!r}")
+    raise ValueError(f"unknown contender {name!r}: use 'plain', 'plain2', {PLAIN_KEPT!r}, 'ds0'..'ds3' (or "
+                     f"'ds0{AUTOCAST}'..) or 'hf0'..'hf3', each optionally with {COMPILED!r}")

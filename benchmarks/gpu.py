@@ -1,41 +1,137 @@
-"""Everything here that only a CUDA GPU can run, in one command, under 8 minutes on one GPU:
+"""Everything here that only a CUDA GPU can prove, in one command under BUDGET_S seconds on one borrowed GPU:
 
-    python -m benchmarks.gpu --dry-run            # each part, its time cap and their sum (no GPU needed)
-    python -m benchmarks.gpu --dry-run --gpu T4   # what would run on another GPU, and what is skipped
-    python -m benchmarks.gpu                      # -> runs/gpu/summary.json and summary.md
-    python -m benchmarks.gpu --out benchmarks/measured/gpu_h200   # (maintainers: keep the result)
+    python -m benchmarks.gpu_wheels               # here, once: the wheels the GPU machine lacks (runs/gpu_wheels)
+    python -m benchmarks.gpu --dry-run --gpu H100 # the plan: every lane, notebook, cap and their sum (no GPU needed)
+    python -m benchmarks.gpu --out $OUT           # on the GPU -> summary.json, summary.md, logs.txt in --out
+    python -m benchmarks.gpu --work /tmp/gpu_work # where the executed notebooks and logs go (default runs/gpu_work)
 
-1. notebooks 01 and 03 executed on the GPU: every check cell must print its ✓ there too;
-2. fp16 with dynamic loss scaling (configs/fp16.json, the scale started at 2**32 so that the first steps
-   overflow): overflowing steps are skipped and counted, the scale moves, the loss still falls;
-3. bf16 (configs/bf16.json; Ampere or newer, skipped below sm_80): the loss falls;
-4. benchmarks.trainer_vs_plain in its GPU mode (GPT-2 124M, sequence 1024), eager and compiled: the
-   contenders' first losses agree with the plain loop's, each compiled one follows its eager twin,
-   tokens/s and MFU reported. Its micro-batch is the largest whose contenders (one process each, all
-   alive at once) fit the GPU by the tutorial's memory planner.
+1. prepare (benchmarks.gpu_prepare): TORCH_CUDA_ARCH_LIST set to the GPU's plain capability, stale JIT locks
+   removed, DeepSpeed's ops built once (natively, and at 7.5+PTX for the T4 lanes), the machine's facts;
+2. the notebooks, in lanes running at once, each lane a process at a time with its own TUTORIAL_RUN_DIR and a
+   copy of the built ops: all nine in the GPU's own precision, every failing cell recorded (not only the
+   first); notebooks 01, 03, 05 and 06 again in T4 emulation lanes (fp16 forced, capability (7, 5), no bf16,
+   15 GB, no flash or memory-efficient attention: benchmarks/t4_emulation/sitecustomize.py); and a programs
+   lane: fp16 with dynamic loss scaling started at 2**32 (the first steps overflow: skipped, the scale moves,
+   the loss falls) and bf16 (sm_80 or newer);
+3. benchmarks.gpu_benchmark (GPT-2 124M, sequence 1024; the plain loop, the trainer at ZeRO 0 and 2 and HF Trainer,
+   eager and compiled, interleaved block by block in one process), alone on the GPU, under its own deadline.
 
-Each part runs in a process of its own under a time cap; the summary is rewritten after every part, so a
-failed or timed-out part (or the whole command stopped) leaves the results so far. Without a CUDA GPU it
-says so and exits 0: nothing here can run on a CPU (CI runs the CPU paths).
+Each notebook's cap comes from its stored CPU run (1.3x its seconds + 25 s); lanes are packed so that none
+runs past the notebook phase's cap. A parallel phase counts its cap once, and the caps sum to BUDGET_S at most;
+the whole run also stops at that deadline. The summary is rewritten after every part, so a stop keeps what
+ran. Without a CUDA GPU (and without --dry-run) it says so and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
+import os
 from pathlib import Path
 
+from benchmarks.gpu_prepare import plain_arch
 from helpers import REPO_ROOT
-from helpers.config import load_json, save_json
+from helpers.config import load_json
 
-BUDGET_S = 480   # one command on a borrowed GPU machine may run 600 s; start-up and copying need the rest
+BUDGET_S = 560           # one device command may run 590 s: the wheels' install and the copy back need the rest
+PREPARE_CAP = 90
+NOTEBOOK_PHASE_CAP = 240
+BENCHMARK_CAP = 230      # its own deadline 10 s sooner: the table is written after every round, kept at a cap
+CAP_FACTOR, CAP_EXTRA, CAP_FLOOR = 1.3, 25, 45   # a notebook's cap from its stored CPU seconds
+NATIVE_LANES, T4_LANES = 5, 3
+T4_NOTEBOOKS = ("01", "03", "05", "06")
+T4_SITE = REPO_ROOT / "benchmarks" / "t4_emulation"
+T4_PROBE_CAP = 20       # one process: capability, bf16, precision, a 16 GB allocation refused
+GRACE_S = 20             # past a notebook's own --cap, before its process tree is killed
 TRAIN = ["helpers.programs.train", "--model-size", "small", "--seq-len", "128", "--steps", "60"]
-BENCHMARK_STAGES = ["--stages", "0", "2", "--hf-stages", "0", "--compiled-stages", "0", "2", "--hf-compiled-stages",
-                    "--no-control"]
-BENCHMARK_CONTENDERS = 7   # plain, plain-compiled, ds0, hf0, ds0-compiled, ds2, ds2-compiled: alive at once
 FP16_OVERFLOW_POWER = 32   # 2**32 x a loss of ~5 overflows fp16 (max 65504): the first steps must be skipped
+
+
+def stored_seconds() -> dict[str, float]:
+    """Each notebook's seconds in the run stored in notebooks/ (a CPU run; nbclient's cell timings)."""
+    import nbformat
+    from benchmarks.colab_time import cell_seconds
+    return {p.stem: sum(cell_seconds(c) for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code")
+            for p in sorted((REPO_ROOT / "notebooks").glob("0*.ipynb"))}
+
+
+def notebook_cap(cpu_seconds: float) -> int:
+    """A GPU box has 16 cores to the CPU run's 2, but the lanes share them and the GPU's models are larger."""
+    return max(CAP_FLOOR, round(CAP_FACTOR * cpu_seconds + CAP_EXTRA))
+
+
+def pack(caps: dict[str, int], lanes: int) -> list[list[str]]:
+    """Longest first, each onto the lane with the least so far: lanes that end close together."""
+    packed = [[] for _ in range(lanes)]
+    for name in sorted(caps, key=caps.get, reverse=True):
+        min(packed, key=lambda lane: sum(caps[n] for n in lane)).append(name)
+    return [lane for lane in packed if lane]
+
+
+def resolve_gpu(name: str) -> str:
+    """A GPUS key from a name or its start: "H100" -> "H100 80GB" (the first in GPUS order where several match)."""
+    from helpers.hardware import GPUS
+    if name in GPUS:
+        return name
+    matches = [g for g in GPUS if g.lower().startswith(name.lower())]
+    if not matches:
+        raise SystemExit(f"--gpu {name!r}: not one of {', '.join(GPUS)}")
+    return matches[0]
+
+
+def notebook_job(stem: str, cap: int, executed: Path) -> dict:
+    return {"name": stem, "cap": cap, "result": executed / f"{stem}.ipynb", "check": None,
+            "command": ["helpers.run_notebooks", "--only", stem[:2], "--allow-errors", "--cap", str(cap),
+                        "--out", str(executed)]}
+
+
+def program_jobs(work: Path, bf16: bool) -> list[dict]:
+    return [{"name": "fp16, dynamic loss scaling", "cap": 45, "check": check_fp16, "result": work / "fp16" / "rank0.json",
+             "command": [*TRAIN, "--config", str(work / "fp16_overflow.json"), "--out", str(work / "fp16")],
+             "config": fp16_overflow_config()},
+            {"name": "bf16", "cap": 35, "check": check_loss_falls, "result": work / "bf16" / "rank0.json",
+             "command": [*TRAIN, "--config", "configs/bf16.json", "--out", str(work / "bf16")] if bf16 else None,
+             "skipped": None if bf16 else "no bf16 tensor cores below sm_80"}]
+
+
+def t4_probe_job(work: Path) -> dict:
+    from benchmarks.gpu_prepare import check_t4_probe
+    probe = work / "t4_probe.json"
+    return {"name": "T4 emulation probe", "cap": T4_PROBE_CAP, "check": check_t4_probe, "result": probe,
+            "command": ["benchmarks.gpu_prepare", "--t4-probe", str(probe)]}
+
+
+def lane_env(work: Path, lane: str, t4: bool) -> dict:
+    """What a lane's processes see differently: their run folder, their copy of the built ops, for T4 lanes the
+    emulation (first on PYTHONPATH, absolute: rank programs start elsewhere) and fp16 forced."""
+    env = {"TUTORIAL_RUN_DIR": str(work / lane / "runs"), "TORCH_EXTENSIONS_DIR": str(work / lane / "torch_extensions"),
+           "TUTORIAL_PRECISION": None}
+    if t4:
+        env |= {"PYTHONPATH": os.pathsep.join(filter(None, [str(T4_SITE), os.environ.get("PYTHONPATH")])),
+                "TUTORIAL_PRECISION": "fp16", "TORCH_CUDA_ARCH_LIST": "7.5+PTX"}
+    return env
+
+
+def plan(work: Path, capability: tuple, memory_gb: float) -> dict:
+    """The whole run: the prepare step, the lanes of the notebook phase, the benchmark; each with its cap."""
+    from helpers.hardware import gpu_has_bf16
+    bf16 = gpu_has_bf16(capability)
+    caps = {stem: notebook_cap(s) for stem, s in stored_seconds().items()}
+    lanes = [{"name": f"native-{i + 1}", "t4": False, "jobs": [notebook_job(s, caps[s], work / "executed")
+                                                               for s in stems]}
+             for i, stems in enumerate(pack(caps, NATIVE_LANES))]
+    t4_caps = {s: c for s, c in caps.items() if s[:2] in T4_NOTEBOOKS}
+    if bf16:   # on a GPU without bf16 the native lanes already are what the emulation imitates
+        lanes += [{"name": f"t4-{i + 1}", "t4": True, "jobs": [notebook_job(s, caps[s], work / "executed_t4")
+                                                               for s in stems]}
+                  for i, stems in enumerate(pack(t4_caps, T4_LANES))]
+        shortest = min((lane for lane in lanes if lane["t4"]), key=lane_cap_sum)
+        shortest["jobs"].insert(0, t4_probe_job(work))   # the emulation's answers, checked before its notebooks
+    lanes.append({"name": "programs", "t4": False, "jobs": program_jobs(work, bf16)})
+    for lane in lanes:
+        lane["env"] = lane_env(work, lane["name"], lane["t4"])
+    return {"prepare": {"name": "prepare", "cap": PREPARE_CAP, "arch": plain_arch(capability)}, "lanes": lanes, "lanes_cap": NOTEBOOK_PHASE_CAP,
+            "benchmark": benchmark_job(work, bf16, memory_gb), "t4_skipped": None if bf16 else
+            f"sm_{capability[0]}{capability[1]} is itself below sm_80: the native lanes run as a T4 would"}
 
 
 def benchmark_micro_batch(memory_gb: float, precision: str, share: float = 0.9) -> int | None:
@@ -50,51 +146,41 @@ def benchmark_micro_batch(memory_gb: float, precision: str, share: float = 0.9) 
     return max(fitting, default=None)
 
 
-def parts(out: Path, capability: tuple, memory_gb: float) -> list[dict]:
-    """Each part: name, command (after `python -m`; None: skipped), cap in seconds, what it writes, its check,
-    and why it is skipped where it is."""
-    from helpers.hardware import gpu_has_bf16
-    bf16 = gpu_has_bf16(capability)
+def benchmark_job(work: Path, bf16: bool, memory_gb: float) -> dict:
+    """benchmarks.gpu_benchmark, which picks its own micro-batch for the contenders it keeps alive at once."""
+    from benchmarks import gpu_benchmark
     precision = "bf16" if bf16 else "fp32"   # the benchmark's choices (no fp16 mode: the plain loop has no scaler)
-    micro_batch = benchmark_micro_batch(memory_gb, precision)
-    bench = out / "benchmark" / "trainer_vs_plain.json"
-    notebooks = out / "notebooks"
-    return [
-        {"name": "notebook 01", "cap": 75, "check": check_notebook, "result": notebooks / "01_setup.ipynb",
-         "command": ["helpers.run_notebooks", "--only", "01", "--out", str(notebooks)]},
-        {"name": "notebook 03", "cap": 150, "check": check_notebook, "result": notebooks / "03_trainer.ipynb",
-         "command": ["helpers.run_notebooks", "--only", "03", "--out", str(notebooks)]},
-        {"name": "fp16, dynamic loss scaling", "cap": 45, "check": check_fp16, "result": out / "fp16" / "rank0.json",
-         "command": [*TRAIN, "--config", str(out / "fp16_overflow.json"), "--out", str(out / "fp16")],
-         "config": fp16_overflow_config()},
-        {"name": "bf16", "cap": 35, "check": check_loss_falls, "result": out / "bf16" / "rank0.json",
-         "command": [*TRAIN, "--config", "configs/bf16.json", "--out", str(out / "bf16")] if bf16 else None,
-         "skipped": None if bf16 else f"sm_{capability[0]}{capability[1]} has no bf16 tensor cores"},
-        {"name": "benchmark, eager and compiled", "cap": 150, "check": check_benchmark, "result": bench,
-         "command": ["benchmarks.trainer_vs_plain", "--device", "cuda", "--precision", precision, "--micro-batch",
-                     str(micro_batch), "--steps", "10", "--rounds", "4", *BENCHMARK_STAGES, "--out", str(bench)]
-         if micro_batch else None,
-         "skipped": None if micro_batch else f"{BENCHMARK_CONTENDERS} contenders of GPT-2 124M do not fit {memory_gb:g} GB"},
-    ]
+    names = gpu_benchmark.contender_names(compiled=True, hf=True)
+    micro_batch, _ = gpu_benchmark.plan_micro_batch(memory_gb, len(names), precision)
+    bench = work / "benchmark" / "gpu_benchmark.json"
+    return {"name": "benchmark, eager and compiled", "cap": BENCHMARK_CAP, "check": check_benchmark, "result": bench,
+            "micro_batch": micro_batch,
+            "command": ["benchmarks.gpu_benchmark", "--precision", precision, "--micro-batch", str(micro_batch),
+                        "--deadline-s", str(BENCHMARK_CAP - 10),
+                        "--out", str(bench), "--work-dir", str(work / "benchmark" / "runs")]
+            if micro_batch else None,
+            "skipped": None if micro_batch else f"{len(names)} contenders of GPT-2 124M do not fit {memory_gb:g} GB"}
+
+
+def parts(work: Path, capability: tuple, memory_gb: float) -> list[dict]:
+    """Every part of the plan after the prepare step, lanes flattened (tests/device_matrix.py reads their configs)."""
+    planned = plan(work, capability, memory_gb)
+    return [job for lane in planned["lanes"] for job in lane["jobs"]] + [planned["benchmark"]]
+
+
+def lane_cap_sum(lane: dict) -> int:
+    return sum(j["cap"] for j in lane["jobs"] if j["command"])
+
+
+def caps_total(planned: dict) -> int:
+    """A parallel phase counts once, at its cap; the lanes' own sums stay within it (dry_run prints both)."""
+    bench = planned["benchmark"]["cap"] if planned["benchmark"]["command"] else 0
+    return planned["prepare"]["cap"] + planned["lanes_cap"] + bench
 
 
 def fp16_overflow_config() -> dict:
     config = load_json(REPO_ROOT / "configs" / "fp16.json")
     return {**config, "fp16": {**config["fp16"], "initial_scale_power": FP16_OVERFLOW_POWER}}
-
-
-def check_notebook(path: Path) -> list[str]:
-    """Problems of an executed notebook: a cell that raised, a check cell without its ✓."""
-    import nbformat
-    problems = []
-    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
-        if cell.cell_type != "code":
-            continue
-        if any(o.output_type == "error" for o in cell.outputs):
-            problems.append(f"cell {i} raised: {next(o.evalue for o in cell.outputs if o.output_type == 'error')}"[:300])
-        elif cell.source.startswith("# Check") and not any("✓" in o.get("text", "") for o in cell.outputs):
-            problems.append(f"cell {i} printed no ✓: {cell.source.splitlines()[0]}")
-    return problems
 
 
 def losses(path: Path) -> list[float]:
@@ -119,94 +205,60 @@ def check_fp16(path: Path) -> list[str]:
 
 
 def check_benchmark(path: Path) -> list[str]:
-    from helpers.precision import relative_loss_tolerance
+    """Problems of benchmarks.gpu_benchmark's result: no round timed, a contender without a speed, or first losses
+    unlike the plain loop's beyond the precision's tolerance (the same model, data and AdamW math)."""
+    from helpers.precision import loss_tolerance
     run = json.loads(path.read_text())
-    problems = [] if run["first_losses_agree"] else [f"first losses differ from the plain loop's by more than "
-                                                     f"{run['loss_tolerance']}"]
-    rows, tolerance = run["contenders"], relative_loss_tolerance(run["config"]["precision"])
-    for name, row in rows.items():
-        if not row["mfu"] > 0:
-            problems.append(f"{name}: no MFU")
-        twin = rows.get(name.removesuffix("-compiled")) if name.endswith("-compiled") else None
-        if twin is not None:
-            worst = max(abs(c - e) / e for c, e in zip(row["losses"], twin["losses"]))
-            if worst > tolerance:
-                problems.append(f"{name}: losses differ from the eager twin's by {worst:.1e} (relative)")
+    problems = [] if run["rounds_done"] else [f"no round was timed ({run['status']})"]
+    tolerance = loss_tolerance(run["config"]["precision"])
+    for name, row in run["contenders"].items():
+        if not row.get("tokens_per_s"):
+            problems.append(f"{name}: no tokens/s")
+        if (row.get("max_loss_diff_first_steps") or 0) > tolerance:
+            problems.append(f"{name}: first losses differ from the plain loop's by {row['max_loss_diff_first_steps']:.1e}")
     return problems
 
 
-def run_part(part: dict, out: Path) -> dict:
-    name, command, cap = part["name"], part["command"], part["cap"]
-    if command is None:
-        print(f"{name}: skipped ({part['skipped']})", flush=True)
-        return {"name": name, "status": f"skipped: {part['skipped']}", "seconds": 0.0, "problems": []}
-    if "config" in part:
-        save_json(part["config"], command[command.index("--config") + 1])
-    part["result"].unlink(missing_ok=True)   # an earlier run's file must not be judged as this run's
-    log = out / "logs" / (name.split(",")[0].replace(" ", "_") + ".log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{name} (cap {cap} s) ...", flush=True)
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        try:
-            code = subprocess.run([sys.executable, "-m", *command], cwd=REPO_ROOT, stdout=f,
-                                  stderr=subprocess.STDOUT, timeout=cap).returncode
-        except subprocess.TimeoutExpired:
-            code = None
-    seconds = time.perf_counter() - start
-    problems = part["check"](part["result"]) if part["result"].is_file() else [f"it wrote no {part['result'].name}"]
-    status = ("timed out" if code is None else f"failed (exit {code})" if code else
-              "passed" if not problems else "ran, but its check failed")
-    print(f"  {status} in {seconds:.0f} s (log: {log})" + "".join(f"\n  - {p}" for p in problems), flush=True)
-    return {"name": name, "command": "python -m " + " ".join(command), "status": status, "seconds": seconds,
-            "log": str(log), "problems": problems, "result": str(part["result"])}
-
-
-def markdown(summary: dict) -> str:
-    lines = [f"{summary['gpu']}; torch {summary['torch']}. Total {summary['seconds']:.0f} s.", "",
-             "| part | status | seconds | problems |", "|---|---|---:|---|"]
-    lines += [f"| {p['name']} | {p['status']} | {p['seconds']:.0f} | {'; '.join(p['problems']) or '-'} |"
-              for p in summary["parts"]]
-    bench = next((p for p in summary["parts"] if p["name"].startswith("benchmark") and "result" in p), None)
-    if bench and Path(bench["result"]).with_suffix(".md").is_file():
-        lines += ["", Path(bench["result"]).with_suffix(".md").read_text()]
-    return "\n".join(lines) + "\n"
-
-
-def dry_run(planned: list[dict], gpu: str) -> None:
-    total = sum(p["cap"] for p in planned if p["command"])
-    for p in planned:
-        what = "python -m " + " ".join(p["command"]) if p["command"] else f"skipped: {p['skipped']}"
-        print(f"{p['name']:<32} cap {p['cap']:>4} s   {what}")
-    print(f"sum of caps on the {gpu}: {total} s (budget {BUDGET_S} s)")
+def dry_run(planned: dict, gpu: str) -> None:
+    p = planned["prepare"]
+    t4 = " (and at 7.5+PTX for the T4 lanes)" if not planned["t4_skipped"] else ""
+    print(f"{'prepare':<34} cap {p['cap']:>4} s   TORCH_CUDA_ARCH_LIST={p['arch']}, stale JIT locks removed, "
+          f"ops built: cpu_adam fused_adam async_io{t4}; the machine's facts")
+    phase = f"notebooks and programs, {len(planned['lanes'])} lanes"
+    print(f"{phase:<34} cap {planned['lanes_cap']:>4} s   (the lanes run at once)")
+    for lane in planned["lanes"]:
+        jobs = ", ".join(f"{j['name']} {j['cap']} s" if j["command"] else f"{j['name']} skipped ({j['skipped']})"
+                         for j in lane["jobs"])
+        what = " [T4 emulation: fp16, sm_75, no bf16, 15 GB, no flash/mem-efficient SDPA, 7.5+PTX]" if lane["t4"] else ""
+        print(f"  lane {lane['name']:<10} sum {lane_cap_sum(lane):>4} s: {jobs}{what}")
+    if planned["t4_skipped"]:
+        print(f"  T4 emulation skipped: {planned['t4_skipped']}")
+    b = planned["benchmark"]
+    what = "python -m " + " ".join(b["command"]) if b["command"] else f"skipped: {b['skipped']}"
+    print(f"{b['name']:<34} cap {b['cap']:>4} s   {what}")
+    print(f"sum of caps on the {gpu}: {caps_total(planned)} s (budget {BUDGET_S} s)")
 
 
 def main(argv=None) -> dict | None:
-    from helpers.hardware import GPUS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "gpu")
-    p.add_argument("--dry-run", action="store_true", help="print the parts and their caps; run nothing")
-    p.add_argument("--gpu", choices=sorted(GPUS), default="H200", help="with --dry-run: the GPU to plan for")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "gpu", help="the summary's files (at most 8)")
+    p.add_argument("--work", type=Path, default=REPO_ROOT / "runs" / "gpu_work",
+                   help="executed notebooks, logs, run folders, built ops")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its caps; run nothing")
+    p.add_argument("--gpu", default="H200", help="with --dry-run: the GPU to plan for (a helpers.hardware.GPUS "
+                                                 "name or its start: H100, H200, A100, T4, ...)")
     a = p.parse_args(argv)
     if a.dry_run:
-        spec = GPUS[a.gpu]
-        dry_run(parts(a.out, spec["capability"], spec["memory_gb"]), a.gpu)
+        from helpers.hardware import GPUS
+        gpu = resolve_gpu(a.gpu)
+        dry_run(plan(a.work, GPUS[gpu]["capability"], GPUS[gpu]["memory_gb"]), gpu)
         return None
     import torch
     if not torch.cuda.is_available():
         print("no CUDA GPU here: nothing to run (every CPU path runs in `make test`); --dry-run shows the plan")
         return None
-    props = torch.cuda.get_device_properties(0)
-    a.out.mkdir(parents=True, exist_ok=True)
-    summary = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": 0.0, "parts": []}
-    start = time.perf_counter()
-    for part in parts(a.out, (props.major, props.minor), props.total_memory / 1e9):
-        summary["parts"].append(run_part(part, a.out))
-        summary["seconds"] = time.perf_counter() - start   # written after every part: a stop loses nothing run
-        (a.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (a.out / "summary.md").write_text(markdown(summary))
-    print(markdown(summary))
-    return summary
+    from benchmarks.gpu_run import run
+    return run(a.out, a.work, BUDGET_S)
 
 
 if __name__ == "__main__":

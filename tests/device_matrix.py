@@ -184,13 +184,12 @@ def table() -> str:
         if rt.is_gpu:
             spec = GPUS[name]
             rows["device memory"].append(f"{spec['memory_gb']} GB, host {spec['host_gb']} GB")
-            planned = gpu_script.parts(Path(tempfile.mkdtemp()), spec["capability"], spec["memory_gb"])
-            runs = [p for p in planned if p["command"]]
-            bench = next(p for p in planned if p["name"].startswith("benchmark"))
+            planned = gpu_script.plan(Path(tempfile.mkdtemp()), spec["capability"], spec["memory_gb"])
+            notebooks = [j for lane in planned["lanes"] for j in lane["jobs"] if j["command"]]
+            bench = planned["benchmark"]
             rows["`benchmarks/gpu.py`"].append(
-                f"{len(runs)} of {len(planned)} parts, caps {sum(p['cap'] for p in runs)} s"
-                + (f"; benchmark micro-batch {bench['command'][bench['command'].index('--micro-batch') + 1]}"
-                   if bench["command"] else "; no benchmark: 7 contenders do not fit"))
+                f"{len(notebooks)} runs in {len(planned['lanes'])} lanes, caps {gpu_script.caps_total(planned)} s"
+                + (f"; benchmark micro-batch {bench['micro_batch']}" if bench["command"] else f"; {bench['skipped']}"))
             plan = gpt2_xl_plan(name)
             rows["GPT-2 1.5B (notebook 05), host RAM included"].append(
                 "nothing fits" if plan is None else

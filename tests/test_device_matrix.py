@@ -32,17 +32,21 @@ def test_what_the_notebooks_train_in_the_kernel_fits_the_device(name):
 
 @pytest.mark.parametrize("name", MATRIX_GPUS)
 def test_the_gpu_scripts_benchmark_fits_by_the_formulas(name):
+    """One process keeps every contender's model states (ZeRO 0) and runs one step at a time: the micro-batch is the
+    largest at which n x states + one step's activations + the planner's overhead fit 0.9 of the GPU."""
+    from benchmarks import gpu_benchmark
     spec = GPUS[name]
     planned = gpu_script.parts(REPO_ROOT / "runs" / "never-written", spec["capability"], spec["memory_gb"])
     bench = next(p for p in planned if p["name"].startswith("benchmark"))
-    if bench["command"] is None:   # the T4: even micro-batch 1 does not fit 7 contenders
-        assert gpu_script.benchmark_micro_batch(spec["memory_gb"], "fp32") is None
-        return
-    micro = int(bench["command"][bench["command"].index("--micro-batch") + 1])
-    precision = bench["command"][bench["command"].index("--precision") + 1]
-    fits = {mb: gpu_script.BENCHMARK_CONTENDERS * planner.row_for(planner.plan("GPT-2 124M", float("inf"), precision=precision,
-            micro_batches=(mb,)), 0, micro_batch=mb)["gpu_gb"] <= 0.9 * spec["memory_gb"] for mb in (1, 2, 4, 8)}
-    assert fits[micro] and not any(fits[mb] for mb in fits if mb > micro), fits   # the largest that fits
+    n = len(gpu_benchmark.contender_names(compiled=True, hf=True))
+    precision = "bf16" if spec["capability"] >= (8, 0) else "fp32"
+
+    def fits(mb):
+        row = planner.row_for(planner.plan("GPT-2 124M", float("inf"), precision=precision, micro_batches=(mb,)), 0,
+                              micro_batch=mb)
+        return n * row["model_states_gb"] + row["activations_gb"] + row["overhead_gb"] <= 0.9 * spec["memory_gb"]
+    fitting = [mb for mb in gpu_benchmark.MICRO_BATCHES if fits(mb)]
+    assert bench.get("micro_batch") == (max(fitting) if fitting else None), (fitting, bench.get("micro_batch"))
 
 
 @pytest.mark.parametrize("name", [g for g in MATRIX_GPUS if GPUS[g]["host_gb"]])
