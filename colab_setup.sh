@@ -1,50 +1,93 @@
 #!/usr/bin/env bash
-# Google Colab set-up: install only what Colab lacks, once (re-running installs nothing new).
-# Colab's own torch (a CUDA build), transformers and ipywidgets are never replaced: every install
-# below is constrained to the versions already present.
+# Google Colab set-up: install what Colab lacks, and replace what it has below the tutorial's floors (the oldest
+# versions helpers/preflight.py accepts, tested by .ci/floors) with the versions requirements.txt pins. Colab's
+# own torch (a CUDA build) is never replaced: every install runs under a constraints file that pins it (and
+# numpy, which Colab's other packages are built against) to the version present. Re-running installs nothing new.
+# Each step prints its duration; pip's own output shows as it goes. Only a missing or too old package fails the
+# set-up (exit 1): a CUDA toolkit that DeepSpeed could not JIT-build with is a warning (the notebooks build no CUDA op).
 set -euo pipefail
 PY=${PYTHON:-python3}
-cd "$(dirname "$0")"   # the repository root: helpers.preflight runs from here at the end
+cd "$(dirname "$0")"   # the repository root: requirements.txt and helpers.preflight are read from here
+started=$SECONDS
 
-has() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
+say() { echo "colab_setup: $*"; }
+# `timed LABEL COMMAND...`: run it, then say how long it took.
+timed() {
+    local label=$1 t=$SECONDS
+    shift
+    say "$label ..."
+    "$@" || { local code=$?; say "[$((SECONDS - t)) s] $label: failed (exit $code)"; return "$code"; }
+    say "[$((SECONDS - t)) s] $label"
+}
 
-# Pin what is installed so pip cannot swap it out while resolving DeepSpeed's dependencies.
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-"$PY" - >"$constraints" <<'PY'
-from importlib.metadata import version, PackageNotFoundError
-for name in ("torch", "transformers", "ipywidgets", "tokenizers", "numpy"):
+# One line per package to install: "name==pinned<TAB>why".
+plan=$("$PY" - "$constraints" <<'PY'
+import re, sys
+from importlib.metadata import PackageNotFoundError, version
+from helpers.preflight import DEEPSPEED, MINIMUM_VERSIONS, release
+
+def have(name):
     try:
-        print(f"{name}=={version(name)}")
+        return version(name)
     except PackageNotFoundError:
-        pass
+        return None
+
+with open(sys.argv[1], "w") as constraints:   # what pip must not touch
+    for name in ("torch", "numpy"):
+        if have(name):
+            print(f"{name}=={have(name)}", file=constraints)
+pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s#]+)", open("requirements.txt").read(), re.M))
+why = {}
+for name, least in MINIMUM_VERSIONS.items():
+    if name == "torch":   # Colab's own: the preflight says so if it is too old
+        continue
+    now = have(name)
+    if now is None:
+        why[name] = "missing"
+    elif release(now) < release(least):
+        why[name] = f"replaces Colab's {now}: the tutorial needs {name} >= {least}"
+# A new transformers pulls a new huggingface_hub (and tokenizers), which Colab's datasets, accelerate and peft were
+# never tested with: they move with it, to requirements.txt's versions, the combination CI tests.
+if "transformers" in why:
+    for name in ("datasets", "accelerate", "peft"):
+        if name not in why and have(name) != pins[name]:
+            why[name] = f"replaces Colab's {have(name)}: moves with transformers to requirements.txt's versions, tested together"
+for name, reason in why.items():
+    print(f"{name}=={pins[name]}\t{reason}")
+if have("deepspeed") != DEEPSPEED:
+    print(f"deepspeed=={DEEPSPEED}\t" + (f"replaces {have('deepspeed')}: the notebooks were checked against {DEEPSPEED}"
+                                         if have("deepspeed") else "missing"))
+for name in ("tensorboard", "tqdm"):   # any version
+    if have(name) is None:
+        print(f"{name}\tmissing")
 PY
+)
 
-missing=()
-has deepspeed || missing+=("deepspeed==0.19.8")
-has transformers || missing+=("transformers>=4.56")
-has datasets || missing+=("datasets>=3.0")
-has tensorboard || missing+=("tensorboard")
-has tokenizers || missing+=("tokenizers")
-has ipywidgets || missing+=("ipywidgets>=7.7,<9")
-has tqdm || missing+=("tqdm")
-has accelerate || missing+=("accelerate>=1.1")   # HF Trainer(deepspeed=...)
-
-if ((${#missing[@]})); then
-    echo "colab_setup: installing ${missing[*]}"
-    "$PY" -m pip install -q -c "$constraints" "${missing[@]}"
+if [ -n "$plan" ]; then
+    while IFS=$'\t' read -r spec why; do say "$spec: $why"; done <<<"$plan"
+    specs=$(cut -f1 <<<"$plan" | tr '\n' ' ')
+    say "keeping $(tr '\n' ' ' <"$constraints")(constraints: pip may not change them)"
+    # shellcheck disable=SC2086  # one word per package
+    timed "pip install $specs" "$PY" -m pip install --progress-bar off -c "$constraints" $specs
 else
-    echo "colab_setup: nothing to install"
+    say "nothing to install: every package is present and new enough"
 fi
-"$PY" -c "import torch, deepspeed; print(f'colab_setup: torch {torch.__version__} (kept), deepspeed {deepspeed.__version__}')"
+"$PY" -c "import torch, deepspeed; print(f'colab_setup: torch {torch.__version__} (kept: never replaced), deepspeed {deepspeed.__version__}')"
 # libaio: DeepSpeed's async_io op builds against it (ZeRO-Infinity's NVMe offload, notebook 08). Colab runs as root.
 if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; } ||
-        echo "colab_setup: libaio-dev not installed: notebook 08's NVMe section will be skipped"
+    install_libaio() { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; }
+    timed "apt-get install libaio-dev" install_libaio ||
+        say "libaio-dev not installed: notebook 08's NVMe section will be skipped"
 fi
-# Versions of what Colab keeps, nvcc against torch's CUDA, and on a GPU one real FusedAdam build and step
-# (DeepSpeed's JIT build does not check nvcc's version itself: a mismatch would fail later, unclearly).
-if ! "$PY" -m helpers.preflight; then
-    echo "colab_setup: a check above failed (NO): its line says what to install or change" >&2
+# The packages' versions (fatal), DeepSpeedCPUAdam's build and one step (notebook 05; the first build takes a
+# minute or two), on a GPU torch's fused AdamW, and whether DeepSpeed could JIT-build a CUDA op (nvcc against
+# torch's CUDA, TORCH_CUDA_ARCH_LIST: a warning where not).
+status=0
+timed "preflight (python -m helpers.preflight)" "$PY" -m helpers.preflight || status=$?
+if [ "$status" != 0 ]; then
+    say "[$((SECONDS - started)) s in all] a package check above failed (NO): its line says what to install" >&2
     exit 1
 fi
+say "[$((SECONDS - started)) s in all] ready"

@@ -148,7 +148,9 @@ def _text_column(table, column: str, source) -> list[str]:
                         "name the one with the text (--text-column, or text_column=)")
     feature = table.features[column]
     if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise DataError(f"--data {source}: column {column!r} holds {feature}, not text: name a column of strings")
+        # Value('int64') as datasets 4+ writes it (3.x: "Value(dtype='int64', id=None)"): one message on every version
+        shown = f"Value({feature.dtype!r})" if isinstance(feature, datasets.Value) else feature
+        raise DataError(f"--data {source}: column {column!r} holds {shown}, not text: name a column of strings")
     return table[column]
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Python's bytecode cache is the one thing an import may write next to the code.
-NOT_OURS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
+NOT_OURS = {".git", ".venv", ".venv-floors", "__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
 
 
 def repo_files() -> set[str]:

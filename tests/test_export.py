@@ -64,7 +64,10 @@ def test_pipeline_generates_what_the_engine_generates(data, exported, stage):
     pad = generator.tokenizer.pad_token_id
     text = generator(prompt + " ", max_new_tokens=8, do_sample=False, pad_token_id=pad,
                      suppress_tokens=[pad])[0]["generated_text"]
-    assert text == trainer.tokenizer.decode(greedy[0], skip_special_tokens=True)
+    # The same words; the spaces between prompt and continuation are the pipeline's: transformers 5.9+ decodes the
+    # new tokens alone (no leading space: hence the prompt's trailing one), 5.3-5.8 cut the whole text's decoding
+    # after the prompt's, which keeps a space there too.
+    assert text.split() == trainer.tokenizer.decode(greedy[0], skip_special_tokens=True).split()
     assert len(text.split()) == 4 + 8   # word-level tokenizer: one token per word
 
 
