@@ -162,7 +162,7 @@ def make_engine(model, a, precision: str, world: int):
     device = detect().device
     config = validate(build_config(micro_batch=a.micro_batch, world_size=world, zero_stage=a.zero_stage,
                                    precision=precision, lr=a.lr, warmup_steps=2, total_steps=2 * a.steps,
-                                   torch_adam=device == "cpu", extra={"comms_logger": comms.LOGGER_BLOCK}),
+                                   extra={"comms_logger": comms.LOGGER_BLOCK}),
                     device=device, world_size=world)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                    "name": "shared"})
