@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from helpers import REPO_ROOT
+from helpers.runtime import remove_stale_locks
 
 # DeepSpeedCPUAdam, FusedAdam, the NVMe tier of notebook 08: the builders those classes ask the accelerator for
 OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder")
@@ -39,26 +40,6 @@ start = time.perf_counter(); builder.load(verbose=False); print(f"built in {time
 def plain_arch(capability: tuple) -> str:
     """TORCH_CUDA_ARCH_LIST's entry for a capability, in the form DeepSpeed reads: (9, 0) -> "9.0"."""
     return f"{capability[0]}.{capability[1]}"
-
-
-def open_files() -> set[Path]:
-    """Every file some process on this machine holds open (Linux: /proc/<pid>/fd), those this user may see."""
-    held = set()
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            held.update(Path(os.readlink(fd)) for fd in fd_dir.iterdir())
-        except OSError:   # the process ended, or is another user's
-            continue
-    return held
-
-
-def remove_stale_locks(root: Path) -> list[Path]:
-    """Remove the JIT `lock` files under `root` that no process holds open (their builder is gone)."""
-    locks = [p.resolve() for p in Path(root).glob("**/lock") if p.is_file()]
-    stale = [p for p in locks if p not in open_files()] if locks else []
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return stale
 
 
 def build_ops(ext_dir: Path, arch_list: str, ops=OPS, cap: float = 300, env: dict | None = None) -> dict[str, str]:

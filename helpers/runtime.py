@@ -227,3 +227,25 @@ def compile_problem(device: str) -> str | None:
     except Exception as err:   # inductor/Triton raise many types; the reader needs the first line
         return f"torch.compile failed on {device}: {str(err).strip().splitlines()[0][:200]}"
     return None if ok else "torch.compile ran on this GPU but computed a wrong result"
+
+
+def open_files() -> set[Path]:
+    """Every file some process on this machine holds open (Linux: /proc/<pid>/fd), those this user may see."""
+    held = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            held.update(Path(os.readlink(fd)) for fd in fd_dir.iterdir())
+        except OSError:   # the process ended, or is another user's
+            continue
+    return held
+
+
+def remove_stale_locks(root: Path) -> list[Path]:
+    """Remove the JIT `lock` files under `root` (DeepSpeed's ops build in ~/.cache/torch_extensions/<op>/) that no
+    process holds open. torch's builder holds its op's `lock` open while it compiles; one killed mid-build leaves
+    the file behind, and every later build of that op waits on it forever (the tests and the GPU kit clear them)."""
+    locks = [p.resolve() for p in Path(root).glob("**/lock") if p.is_file()]
+    stale = [p for p in locks if p not in open_files()] if locks else []
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale

@@ -35,6 +35,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     # Kernels and rank programs inherit it: no notebook run writes inside the checkout.
     os.environ.setdefault("TUTORIAL_RUN_DIR", tempfile.mkdtemp(prefix="tutorial-runs-"))
+    # A DeepSpeed op build killed in an earlier run (a Ctrl-C, CI's time limit) must not stall this one.
+    from torch.utils.cpp_extension import get_default_build_root
+    from helpers.runtime import remove_stale_locks
+    for lock in remove_stale_locks(get_default_build_root()):
+        print(f"removed a stale JIT build lock no process holds: {lock}")
     config.pluginmanager.register(Timeline(config), "timeline")
 
 

@@ -14,6 +14,7 @@ import pytest
 from benchmarks import gpu, gpu_prepare, gpu_run, gpu_summary, gpu_wheels
 from helpers import REPO_ROOT
 from helpers.hardware import GPUS, MATRIX_GPUS
+from helpers.runtime import remove_stale_locks
 
 NOTEBOOKS = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("0*.ipynb"))
 BF16_GPUS = [g for g in (*MATRIX_GPUS, "H100 80GB") if GPUS[g]["capability"] >= (8, 0)]
@@ -108,7 +109,7 @@ def test_a_stale_lock_goes_and_a_held_one_stays(tmp_path):
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert builder.stdout.readline().strip() == "open"
-        assert gpu_prepare.remove_stale_locks(tmp_path) == [stale.resolve()]
+        assert remove_stale_locks(tmp_path) == [stale.resolve()]
         assert held.exists() and not stale.exists()
     finally:
         builder.communicate("")
