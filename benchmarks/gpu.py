@@ -67,17 +67,6 @@ def pack(caps: dict[str, int], lanes: int) -> list[list[str]]:
     return [lane for lane in packed if lane]
 
 
-def resolve_gpu(name: str) -> str:
-    """A GPUS key from a name or its start: "H100" -> "H100 80GB" (the first in GPUS order where several match)."""
-    from helpers.hardware import GPUS
-    if name in GPUS:
-        return name
-    matches = [g for g in GPUS if g.lower().startswith(name.lower())]
-    if not matches:
-        raise SystemExit(f"--gpu {name!r}: not one of {', '.join(GPUS)}")
-    return matches[0]
-
-
 def notebook_job(stem: str, cap: int, executed: Path) -> dict:
     return {"name": stem, "cap": cap, "result": executed / f"{stem}.ipynb", "check": None,
             "command": ["helpers.run_notebooks", "--only", stem[:2], "--allow-errors", "--cap", str(cap),
@@ -249,8 +238,8 @@ def main(argv=None) -> dict | None:
                                                  "name or its start: H100, H200, A100, T4, ...)")
     a = p.parse_args(argv)
     if a.dry_run:
-        from helpers.hardware import GPUS
-        gpu = resolve_gpu(a.gpu)
+        from helpers.hardware import GPUS, gpu_named
+        gpu = gpu_named(a.gpu)
         dry_run(plan(a.work, GPUS[gpu]["capability"], GPUS[gpu]["memory_gb"]), gpu)
         return None
     import torch

@@ -158,16 +158,6 @@ def parse(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------------------------- planning
 
-def resolve_gpu(name: str) -> str:
-    from helpers.hardware import GPUS
-    if name in GPUS:
-        return name
-    matches = [g for g in GPUS if g.lower().startswith(name.lower())]
-    if not matches:
-        raise SystemExit(f"--gpu {name!r}: not one of {', '.join(GPUS)}")
-    return matches[0]
-
-
 def plan_micro_batch(memory_gb: float, n_models: int, precision: str, seq_len: int = 1024,
                      model: str = "GPT-2 124M", share: float = MEMORY_SHARE) -> tuple[int | None, list[dict]]:
     """The largest micro-batch of MICRO_BATCHES at which n_models models' states at ZeRO 0 (each contender
@@ -214,8 +204,8 @@ def estimate(names: list[str], micro_batch: int, seq_len: int, flops_token: floa
 
 
 def dry_run(a) -> dict:
-    from helpers.hardware import GPUS, gpu_has_bf16
-    gpu = resolve_gpu(a.gpu)
+    from helpers.hardware import GPUS, gpu_has_bf16, gpu_named
+    gpu = gpu_named(a.gpu)
     spec = GPUS[gpu]
     precision = a.precision if gpu_has_bf16(spec["capability"]) else "fp32"
     names = contender_names(a.compiled, a.hf)

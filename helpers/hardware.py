@@ -30,3 +30,14 @@ def runtime_for(gpu: str):
     spec = GPUS[gpu]
     precision, reason = choose_precision(spec["capability"])
     return Runtime("cuda", f"NVIDIA {gpu}", spec["capability"], spec["memory_gb"] * 1e9 / 2**30, precision, reason)
+
+
+def gpu_named(name: str) -> str:
+    """A GPUS key from a name or its start, as a command line gives it: "H100" -> "H100 80GB" (the first in GPUS
+    order where several match); a name that matches none ends the command, listing what there is."""
+    if name in GPUS:
+        return name
+    matches = [g for g in GPUS if g.lower().startswith(name.lower())]
+    if not matches:
+        raise SystemExit(f"--gpu {name!r}: not one of {', '.join(GPUS)}")
+    return matches[0]
