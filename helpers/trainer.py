@@ -27,8 +27,9 @@ from .runtime import (detect, init_single_process, keep_freed_memory, local_worl
 
 def undo_optimizer_init_step(engine) -> None:
     """Undo the step DeepSpeed 0.19's fp16/bf16 wrappers at ZeRO 0 take on zero gradients when built
-    (`initialize_optimizer_states` in fp16/unfused_optimizer.py and fused_optimizer.py; ZeRO 1-3 no longer take it
-    in 0.19; deepspeedai/DeepSpeed PR 5104, open, proposed removing it everywhere). It counts as Adam's step 1, so
+    (`initialize_optimizer_states` in fp16/unfused_optimizer.py and fused_optimizer.py). ZeRO 1-3 and BF16_Optimizer
+    took it too until DeepSpeed PR 5104 removed it there (commit 18179807, 2024-02-10, in v0.13.2); it left the
+    stage-0 fp16/bf16 wrappers as they were, and 0.19.8 still steps in both. It counts as Adam's step 1, so
     each update takes the next step's bias correction (the first ~0.74x torch's with betas 0.9/0.95), and AdamW's
     weight decay shrinks the fp32 masters once at the full lr. Before this, the benchmark's bf16 ZeRO 0 losses
     strayed 0.42 from the plain loop's; ZeRO 1/2 (no such step) 0.05."""
