@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from helpers import REPO_ROOT
+from helpers.launch import kill_tree
 from helpers.runtime import remove_stale_locks
 
 # DeepSpeedCPUAdam, FusedAdam, the NVMe tier of notebook 08: the builders those classes ask the accelerator for
@@ -49,11 +50,11 @@ def build_ops(ext_dir: Path, arch_list: str, ops=OPS, cap: float = 300, env: dic
 
     def build(op):
         proc = subprocess.Popen([sys.executable, "-c", BUILD, op], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)   # kill_tree's group
         try:
             output, _ = proc.communicate(timeout=cap)
         except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)   # ninja and the compilers too: left alone they compile on beside the lanes
+            kill_tree(proc)   # ninja and the compilers too: left alone they compile on beside the lanes
             proc.communicate()
             return f"not built within {cap:.0f} s (each lane goes on from the objects built so far)"
         lines = output.strip().splitlines() or ["no output"]
@@ -61,22 +62,6 @@ def build_ops(ext_dir: Path, arch_list: str, ops=OPS, cap: float = 300, env: dic
 
     with ThreadPoolExecutor(len(ops)) as pool:
         return dict(zip(ops, pool.map(build, ops)))
-
-
-def kill_tree(pid: int) -> None:
-    """End a process and everything under it (a notebook's kernel runs in a session of its own, rank programs
-    and a JIT build's ninja and compilers under it: ending the process alone would leave them running)."""
-    import psutil
-    try:
-        parent = psutil.Process(pid)
-        family = parent.children(recursive=True) + [parent]
-    except psutil.NoSuchProcess:
-        return
-    for p in family:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def copy_ext_dir(source: Path, target: Path) -> None:

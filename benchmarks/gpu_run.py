@@ -15,6 +15,7 @@ from pathlib import Path
 from benchmarks import gpu, gpu_prepare, gpu_summary
 from helpers import REPO_ROOT
 from helpers.config import save_json
+from helpers.launch import kill_tree
 
 MIN_START_S = 15   # a part with less time left than this is not started
 
@@ -51,12 +52,11 @@ def run_job(job: dict, env: dict, until: float, logs: Path, lane: str = "-") -> 
     start = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", *command], cwd=REPO_ROOT, env=env, stdout=f,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, start_new_session=True)   # a group of its own: kill_tree's
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            gpu_prepare.kill_tree(proc.pid)
-            proc.wait()
+            kill_tree(proc)   # the part, its kernel (a session of its own) and every rank or build below them
             code = None
     row |= {"seconds": time.monotonic() - start, "log": str(log), "result": str(job["result"]),
             "command": "python -m " + " ".join(command)}
