@@ -31,7 +31,7 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
                       {"zero_stage": 3, "offload_optimizer": True, "offload_param": True}, {}),
     "bf16": ("ZeRO-2 in bf16 (Ampere or newer GPUs; CPUs with native bf16)",
              {"zero_stage": 2, "precision": "bf16"}, {}),
-    "fp16": ("ZeRO-2 in fp16 with dynamic loss scaling (older GPUs such as the T4; not CPUs)",
+    "fp16": ("ZeRO-2 in fp16 with dynamic loss scaling (older GPUs such as the T4; the tutorial trains fp16 on GPUs only)",
              {"zero_stage": 2, "precision": "fp16"}, {}),
     # PipelineEngine refuses ZeRO-2/3 (runtime/pipe/engine.py asserts stage < 2), and needs several
     # micro-batches per step or all but one stage sit idle: accumulation is the number of
