@@ -1,13 +1,13 @@
-"""The ZeRO comparison (notebook 04): train the same model on the same data at each ZeRO stage in turn
-and record what this rank holds, how long steps take, the losses, and what it sent.
+"""The ZeRO comparison (notebook 04): the same model, data and seed trained at each ZeRO stage in turn.
 
     torchrun --nproc_per_node 2 -m helpers.programs.zero_stages --out runs/zero --stages 0 1 2 3
 
-One launch runs every stage (starting N processes costs more than a stage's training). Every rank
-builds the identical model (same seed) and reads its own shard of the same data order; the only
-thing that changes between stages is the config's zero_optimization block (`zero_block` below), which
-each result records as DeepSpeed ran it. Notebook 05 runs its offload and 16-bit comparisons through
-the same `run_stage`, in its own kernel (`run_here`), with the zero_optimization blocks it writes out.
+What one rank runs is `train`: a DeepSpeed config, `deepspeed.initialize`, the loop. The only thing that
+changes between stages is the config's zero_optimization block (`zero_block`). Measurement (bytes held,
+collectives logged, step times) is attached from outside through `Measure`, which `train` calls at three
+points of the loop. One launch runs every stage (starting N processes costs more than a stage's training).
+Notebook 05 runs its offload and 16-bit comparisons through the same `run_stage`, in its own kernel
+(`run_here`), with the zero_optimization blocks it writes out.
 """
 import argparse
 import time
@@ -23,8 +23,8 @@ from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
 from helpers.launch import flags, save_config, write_result
-from helpers.memory.measured import (allocated_peak, held_while_accumulating, measurement_zero_extra, peak_memory,
-                                     split_by_side, zero2_overhang_bytes)
+from helpers.memory.measured import (allocated_peak, held_bytes, measurement_zero_extra, peak_memory, split_by_side,
+                                     zero2_overhang_bytes)
 from helpers.model import MODEL_SIZES, build_model
 from helpers.precision import PRECISIONS
 from helpers.runtime import detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, world_size
@@ -52,8 +52,10 @@ def parse(argv=None):
 
 # DeepSpeed's defaults differ from the paper's algorithm in two places (measured in notebook 04):
 # ZeRO-1/2 average gradients with all-reduce buckets (use_multi_rank_bucket_allreduce) instead of
-# reducing each partition to its owner, and ZeRO-3 keeps gathered parameters alive from forward to
-# backward (max_reuse_distance) instead of gathering them again. These switch to the paper's way.
+# reducing each partition to its owner, and ZeRO-3 keeps a gathered parameter alive from forward to
+# backward when its reuse lies within stage3_max_reuse_distance (1e9 elements: every parameter of a small
+# model; PartitionedParameterCoordinator.__params_to_release) instead of gathering it again. These switch
+# to the paper's way.
 PAPER_COMM = {1: {"use_multi_rank_bucket_allreduce": False}, 2: {"use_multi_rank_bucket_allreduce": False},
               3: {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0}}
 
@@ -69,64 +71,102 @@ def zero_block(a, block: dict, n_params: int) -> dict:
     return out | block
 
 
-def train_step(engine, batches, grad_accum: int) -> float:
-    """One optimizer step: grad_accum micro-batches through forward, backward and engine.step()."""
+def stage_config(a, block: dict, n_params: int, precision: str, device: str, world: int) -> dict:
+    """The whole DeepSpeed config of one run (the trainer's, helpers.config.build_config), with this run's
+    zero_optimization block and DeepSpeed's comms logger on."""
+    zero = zero_block(a, block, n_params)
+    return build_config(zero_stage=zero["stage"], micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
+                        warmup_steps=2, total_steps=a.steps + 1, precision=precision, device=device, world_size=world,
+                        offload_optimizer="offload_optimizer" in zero,   # DeepSpeedCPUAdam
+                        extra={"zero_optimization": zero, "comms_logger": comms.LOGGER_BLOCK})
+
+
+class NoMeasure:
+    """The hooks `train` calls; this one measures nothing."""
+    def step_begins(self, step, engine): pass
+    def backward_done(self, step, micro, engine): pass
+    def step_done(self, step, engine): pass
+
+
+def train(config: dict, model, batches, steps: int, measure=NoMeasure()) -> list[float]:
+    """What one rank runs: config -> deepspeed.initialize -> the loop. Returns the loss of each step."""
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    undo_optimizer_init_step(engine)   # ZeRO 0 in bf16/fp16 only: notebook 04's pitfalls
     losses = []
-    for _ in range(grad_accum):
-        ids = batches.next().to(engine.device)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()   # DeepSpeed updates the weights only at the last micro-batch of the step
-        losses.append(loss.detach())
-    return torch.stack(losses).float().mean().item()
+    for step in range(steps):
+        measure.step_begins(step, engine)
+        micro_losses = []
+        for micro in range(config["gradient_accumulation_steps"]):
+            ids = batches.next().to(engine.device)        # this rank's shard of the data
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)                         # ZeRO 2/3 reduce gradient shards here
+            measure.backward_done(step, micro, engine)
+            engine.step()                                 # weights change only at the last micro-batch
+            micro_losses.append(loss.detach())
+        losses.append(torch.stack(micro_losses).float().mean().item())
+        measure.step_done(step, engine)
+    engine.destroy()   # release hooks and buffers before the next stage's engine
+    return losses
+
+
+class Measure(NoMeasure):
+    """What the comparison records around `train`'s loop: step 0 warms up (buffers, Adam state); step 1 reads
+    the bytes held after its first backward (mid-accumulation, the moment the paper's formulas describe);
+    step 2's collectives are logged (DeepSpeed's comms logger) and its writes counted by the kernel;
+    later steps are timed."""
+    HELD, LOGGED = 1, 2
+
+    def __init__(self, is_gpu: bool):
+        self.is_gpu, self.result, self.step_s = is_gpu, {}, []
+
+    def step_begins(self, step, engine):
+        if step == 0:
+            inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+            self.result.update(world_size=engine.world_size, device=str(engine.device), optimizer=type(inner).__name__,
+                               backend=torch.distributed.get_backend(), zero2_overhang_bytes=zero2_overhang_bytes(engine))
+            if self.is_gpu:
+                torch.cuda.reset_peak_memory_stats()
+        if step == self.LOGGED:
+            comms_logger.reset_data()                        # the config's comms_logger block records from here
+            self.written = comms.written_bytes()             # and the kernel counts what this process writes
+        self.start = time.perf_counter()
+
+    def backward_done(self, step, micro, engine):
+        if step == self.HELD and micro == 0:   # ZeRO-1 still holds full gradients here (needs grad_accum >= 2)
+            self.result["held_bytes"] = held_bytes(engine)
+
+    def step_done(self, step, engine):
+        if step == self.HELD:
+            self.result.update(split_by_side(engine))        # what lives on the accelerator side and on the host
+        elif step == self.LOGGED:
+            logged, world = comms.logged(), engine.world_size
+            written = comms.written_bytes() - self.written if self.written is not None else None
+            # gloo's sends are writev calls: the kernel's count of this process's writes during the logged step
+            self.result.update(comm_logged=logged, comm_sent_bytes=comms.sent_bytes(logged, world),
+                               comm_written_bytes=written if torch.distributed.get_backend() == "gloo" else None)
+        elif step > self.LOGGED:
+            self.step_s.append(time.perf_counter() - self.start)
+        # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
+        self.result["peak_memory_mib"] = peak_memory("cuda") / 2**20 if self.is_gpu else None
 
 
 def run_stage(a, block: dict, data, rt) -> dict:
-    """Train with one zero_optimization `block` ({"stage": 2}, or a whole block); return what this rank held,
-    sent, and how its steps went."""
+    """Train with one zero_optimization `block` ({"stage": 2}, or a whole block), measured; return what this
+    rank held, sent, and how its steps went."""
     set_seed(a.seed)
     with allocated_peak("cpu") as loaded:   # every process first builds the whole model in fp32 on the host
         model = build_model(data.vocab_size, a.seq_len, a.model_size, data.tokenizer.pad_token_id, a.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    zero, precision = zero_block(a, block, n_params), a.precision or rt.precision
-    config = build_config(zero_stage=zero["stage"], micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
-                          warmup_steps=2, total_steps=a.steps + 1, precision=precision, device=rt.device,
-                          world_size=world_size(), offload_optimizer="offload_optimizer" in zero,   # DeepSpeedCPUAdam
-                          extra={"zero_optimization": zero, "comms_logger": comms.LOGGER_BLOCK})
+    precision = a.precision or rt.precision
+    config = stage_config(a, block, n_params, precision, rt.device, world_size())
     validate(config, device=rt.device, world_size=world_size(), capability=rt.capability)
-    save_config(a.out, f"stage{zero['stage']}", config)
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    undo_optimizer_init_step(engine)   # stage 0 in 16 bits: see notebook 04, section 2
+    save_config(a.out, f"stage{config['zero_optimization']['stage']}", config)
     batches = ResumableBatches(data, a.micro_batch, a.seed, process_rank(), world_size())
-    if rt.is_gpu:
-        torch.cuda.reset_peak_memory_stats()
-
-    losses = [train_step(engine, batches, a.grad_accum)]   # warm-up: buffers allocated, Adam state created
-    held = held_while_accumulating(engine, batches, a.grad_accum)   # one step, model states read mid-accumulation
-    sides = split_by_side(engine)                           # what lives on the accelerator side and on the host
-    comms_logger.reset_data()                               # the config's comms_logger block records from here
-    written = comms.written_bytes()                         # and the kernel counts what this process writes
-    losses.append(train_step(engine, batches, a.grad_accum))   # one step's collectives, logged
-    logged, written = comms.logged(), comms.written_bytes() - written if written is not None else None
-    step_s = []
-    for _ in range(a.steps - 2):                            # timed steps: --steps + 1 in all, with the measured one
-        start = time.perf_counter()
-        losses.append(train_step(engine, batches, a.grad_accum))
-        step_s.append(time.perf_counter() - start)
-
-    world, inner = engine.world_size, getattr(engine.optimizer, "optimizer", engine.optimizer)
-    result = {
-        "stage": zero["stage"], "world_size": world, "n_params": n_params, "precision": precision,
-        "device": str(engine.device), "backend": torch.distributed.get_backend(),
-        "zero_config": config["zero_optimization"], "optimizer": type(inner).__name__,
-        "load_host_bytes": loaded["end"], "held_bytes": held, "zero2_overhang_bytes": zero2_overhang_bytes(engine), **sides,
-        # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
-        "peak_memory_mib": peak_memory("cuda") / 2**20 if rt.is_gpu else None,
-        "step_s": step_s, "losses": losses, "comm_logged": logged, "comm_sent_bytes": comms.sent_bytes(logged, world),
-        # gloo's sends are writev calls: the kernel's count of this process's writes during the logged step
-        "comm_written_bytes": written if torch.distributed.get_backend() == "gloo" else None}
-    engine.destroy()   # release hooks and buffers before the next stage's engine
-    return result
+    measure = Measure(rt.is_gpu)
+    losses = train(config, model, batches, a.steps + 1, measure)   # warm-up, held, logged, then timed steps
+    return {"stage": config["zero_optimization"]["stage"], "n_params": n_params, "precision": precision,
+            "zero_config": config["zero_optimization"], "load_host_bytes": loaded["end"], **measure.result,
+            "step_s": measure.step_s, "losses": losses}
 
 
 def set_up_process(rt) -> None:
