@@ -36,7 +36,8 @@ def predicted_units(stage: int, accum: int, algorithm: str = "paper") -> float:
     gradient shard, so they reduce after every micro-batch, and stage 3 gathers parameters for every
     forward (and backward). "paper": reduce-scatter (1) + all-gather (1) per reduction, parameters
     re-gathered for backward. "deepspeed": 0.19's defaults, which all-reduce (2) gradient buckets at
-    stages 1-2 and keep stage 3's gathered parameters from forward to backward. With accum = 1 the
+    stages 1-2 and keep stage 3's gathered parameters from forward to backward (while a parameter's reuse
+    is within stage3_max_reuse_distance, 1e9 elements: far above these models; notebook 08). With accum = 1 the
     paper's column reads 2, 2, 2, 3: stages 1-2 cost what plain data parallelism does, stage 3 1.5x.
     """
     reduce_cost = 1 if algorithm == "paper" else 2

@@ -149,12 +149,14 @@ def eps(precision: str) -> float:
 
 def loss_tolerance(precision: str) -> float:
     """Two runs of the same math that only round differently (ZeRO stages, offload, reordered reductions),
-    compared step by step, for a loss of a few nats.
+    compared step by step, for a loss of a few nats: a loose bound, which catches a run that goes wrong (a lost
+    update, a wrong gradient) but not a slow drift.
 
-    fp32: 1e-5 (measured: at most 2.4e-7 between ZeRO stages 0-3 over 12 steps). 16-bit: two units in the
-    last place of the training dtype at losses in [4, 8): bf16 keeps 8 significant bits, so its numbers
-    there are 2**-5 = 0.031 apart (tolerance 0.0625; ZeRO stages 0-3 measured 0.022 apart over 12 steps
-    in bf16); fp16's are 2**-8 apart (tolerance 0.0078)."""
+    fp32: 1e-5 (measured: at most 2.4e-7 between ZeRO stages 0-3 over 12 steps). 16-bit: 8 units of the dtype's
+    epsilon (bf16 0.0625, fp16 0.0078). The loss itself is computed in fp32 (HF's loss upcasts the logits), so
+    this is not the loss's own rounding: it is room for 16-bit weights whose updates round differently, which
+    moves every later loss. Notebook 04 derives a per-step bound from the run's own progress
+    (`tolerance_per_step`, its appendix), about 5x tighter at its last step."""
     return 1e-5 if precision == "fp32" else 2 * 4.0 * eps(precision)
 
 
