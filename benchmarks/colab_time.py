@@ -2,17 +2,20 @@
 
     python -m benchmarks.colab_time            # reads the cell timings stored in notebooks/*.ipynb
 
-Each stored notebook keeps its cells' start and end times (nbclient records them). Two kinds of cell:
+The table it prints is the one notebooks/README.md shows under "Time on a Colab T4, estimated" (PAGE; the page
+names the CPU peak it was made with, to pass as --cpu-peak-tflops). Each stored notebook keeps its cells' start
+and end times (nbclient records them). Two kinds of cell:
 - cells that launch rank programs (`run_program`, `pipeline.run`): on a single GPU these ranks run on the
   CPU with gloo there too, and a free Colab runtime has 2 vCPUs, like the CI box: their time carries over;
 - every other cell runs in the kernel, on the T4. Its compute cannot exceed what this CPU could do in that
-  time: seconds x this CPU's measured matmul peak (notebook 01's measurement, in the precision the run
-  trained in) FLOPs at most, times the growth of the model the notebook picks on a GPU (03: "small"
-  instead of "tiny", helpers.model.auto_model_size). At the T4's fp16 peak (65 TFLOP/s) that many FLOPs
-  take the "GPU compute" column: an upper bound on the FLOPs' own time, not on the Python, kernel-launch and
-  JIT-build time around them, which the "in the kernel here" column bounds from above instead.
+  time: seconds x this CPU's matmul peak (in the precision the run trained in: --cpu-peak-tflops, or measured
+  now, 1024 x 1024, best of 3) FLOPs at most, times the growth of the model the notebook picks on a GPU (03:
+  "small" instead of "tiny", helpers.model.auto_model_size). At the T4's fp16 peak (65 TFLOP/s) that many FLOPs
+  take the "in-kernel FLOPs at its peak" column: an upper bound on the FLOPs' own time, not on the Python,
+  kernel-launch and JIT-build time around them, which the "in the kernel" column bounds from above instead.
 So the estimate is a range: ranks + GPU compute (every in-kernel second is FLOPs) up to ranks + in-kernel
-time here (the T4 no faster than 2 CPU cores), plus the one-off FusedAdam build on a T4 (not timed here).
+time here (the T4 no faster than 2 CPU cores). Not in it: the once-per-session set-up (colab_setup.sh's
+installs, the first DeepSpeedCPUAdam build), which the page lists beside the table.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from helpers import REPO_ROOT
 from helpers.hardware import GPUS
 from helpers.model import MODEL_SIZES, gpt2_param_count
 
+PAGE = REPO_ROOT / "notebooks" / "README.md"   # the page that shows the table markdown() writes
 RANK_LAUNCHES = ("run_program(", "pipeline.run(")
 GPU_MODEL_GROWTH = {"03": ("tiny", "small"), "08": ("tiny", "small"), "09": ("tiny", "small")}   # notebook -> (CPU model, GPU model) where auto_model_size differs
 

@@ -4,7 +4,8 @@ checked against each device's memory by the tutorial's formulas; the planner's p
 
 No GPU is needed: `helpers.hardware.runtime_for` gives the `Runtime` detect() returns on each GPU, and the
 notebooks' config cells (tag `device-config`) run with it as `rt`. tests/test_device_matrix.py asserts the
-verdicts; `python -m tests.device_matrix` prints the table the README's "What each path needs" shows.
+verdicts; `python -m tests.device_matrix` prints the table notebooks/README.md shows under "What each path needs"
+(PAGE), and a test keeps the two equal.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from helpers.runtime import Runtime
 CONFIG_TAG = "device-config"
 CPUS = {"CPU (fp32)": "fp32", "CPU (bf16)": "bf16"}   # the two precisions the rule can pick on a CPU
 SIMULATED_CPU_GB = 24.0   # the CI box's RAM: the CPU column's "fits" is read against it
+PAGE = REPO_ROOT / "notebooks" / "README.md"   # the page that shows table()
 
 
 def profiles() -> dict[str, Runtime]:
@@ -165,7 +167,7 @@ def deepspeed_host_gb(plan: dict) -> float:
 
 
 def table() -> str:
-    """The README's matrix, one column per device."""
+    """The matrix notebooks/README.md shows (PAGE), one column per device."""
     from benchmarks import gpu as gpu_script
     columns = profiles()
     rows = {name: [] for name in ("precision", "configs built, as DeepSpeed sees them", "device memory",

@@ -21,3 +21,15 @@ def test_notebook_03s_model_grows_as_auto_model_size_picks_it_on_a_gpu():
     assert auto_model_size(runtime_for("T4")) == colab_time.GPU_MODEL_GROWTH["03"][1]
     small, tiny = (gpt2_param_count(130, 64, *MODEL_SIZES[s][:2]) for s in ("small", "tiny"))
     assert colab_time.growth("03") == small / tiny and colab_time.growth("04") == 1.0
+
+
+def test_the_notebooks_page_holds_the_table_with_a_row_per_stored_notebook():
+    """notebooks/README.md shows what `python -m benchmarks.colab_time` prints. Its figures are not compared: they
+    follow the timings stored in the notebooks and the CPU peak the page names; its columns and rows are."""
+    header = colab_time.markdown([])
+    page = colab_time.PAGE.read_text()
+    assert header in page, f"{colab_time.PAGE}: no table headed as markdown() writes it"
+    rows = page.split(header, 1)[1].strip().splitlines()
+    notebooks = [line.split("|")[1].strip() for line in rows[:next((i for i, l in enumerate(rows) if not l.startswith("|")),
+                                                                   len(rows))]]
+    assert notebooks == [path.stem for path in sorted((colab_time.REPO_ROOT / "notebooks").glob("[0-9]*.ipynb"))]

@@ -16,10 +16,16 @@ def options(stage: int, data, **more) -> dict:
     return dict(config=presets.CONFIG_DIR / f"zero{stage}.json", data=data, seq_len=32, steps=4, **more)
 
 
+# Sample text: the page with the multi-node commands, then the front page and three more pages, one after another
+# (4 ranks x micro-batch 16 x 32 tokens is more text than one page holds).
+PAGES = [REPO_ROOT / page for page in ("helpers/programs/README.md", "README.md", "notebooks/README.md",
+                                       "notebooks/troubleshooting.md", "benchmarks/README.md")]
+
+
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "mine.txt"
-    path.write_text((REPO_ROOT / "README.md").read_text())
+    path.write_text("\n".join(p.read_text() for p in PAGES))
     return path
 
 

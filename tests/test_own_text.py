@@ -11,6 +11,9 @@ from helpers.own_text import DataError, load_own_text
 from helpers.programs import train as program
 from tests.trainers import make_trainer
 
+# Sample text of some size: the page that documents --data ("Your own text"), about 100 rows of 16 tokens; the
+# trainer-API test below needs more than one micro-batch of 64 of them.
+SAMPLE = REPO_ROOT / "helpers" / "programs" / "README.md"
 LINES = ["the cat sat on the mat", "the dog sat on the log", "", "a bird sang `[EOS]`, in (the [UNK])"]
 
 
@@ -107,13 +110,13 @@ def test_a_hub_name_offline_fails_at_once_naming_the_flag_and_the_offline_way(mo
     with pytest.raises(DataError, match=r"--data roneneldan/TinyStories: not a local path.*save_to_disk"):
         load_own_text("roneneldan/TinyStories", seq_len=16)
     with pytest.raises(DataError, match=r"--tokenizer gpt2: .*--tokenizer word-level"):
-        load_own_text(REPO_ROOT / "README.md", seq_len=16, tokenizer="gpt2")
+        load_own_text(SAMPLE, seq_len=16, tokenizer="gpt2")
 
 
 def test_a_saved_tokenizer_folder_is_used_as_it_is(tmp_path):
-    train, _ = load_own_text(REPO_ROOT / "README.md", seq_len=16)
+    train, _ = load_own_text(SAMPLE, seq_len=16)
     train.tokenizer.save_pretrained(tmp_path / "tok")
-    again, _ = load_own_text(REPO_ROOT / "README.md", seq_len=16, tokenizer=str(tmp_path / "tok"))
+    again, _ = load_own_text(SAMPLE, seq_len=16, tokenizer=str(tmp_path / "tok"))
     assert torch.equal(train.rows, again.rows)
 
 
@@ -126,7 +129,7 @@ def test_data_shorter_than_one_global_batch_stops_before_any_rank_starts(tmp_pat
 
 def test_synthetic_size_flags_with_data_and_data_flags_without_it_are_refused(capsys):
     with pytest.raises(SystemExit):
-        program.parse(["--config", "configs/zero2.json", "--data", "README.md", "--n-samples", "64"])
+        program.parse(["--config", "configs/zero2.json", "--data", str(SAMPLE), "--n-samples", "64"])
     assert "with --data the size is your text's" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         program.parse(["--config", "configs/zero2.json", "--tokenizer", "gpt2", "--held-out", "0.2"])
@@ -148,7 +151,7 @@ def _run(tmp_path, data, *extra):
 
 @pytest.fixture(params=["text file", "saved dataset"])
 def own_data(request, tmp_path):
-    text = (REPO_ROOT / "README.md").read_text().splitlines()
+    text = SAMPLE.read_text().splitlines()
     if request.param == "text file":
         (tmp_path / "mine.txt").write_text("\n".join(text))
         return tmp_path / "mine.txt"
@@ -166,7 +169,7 @@ def test_training_on_own_text_resumes_exactly(own_data, tmp_path):
 
 
 def test_resuming_on_other_text_of_the_same_size_is_refused(tmp_path):
-    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    lines = SAMPLE.read_text().splitlines()
     (tmp_path / "mine.txt").write_text("\n".join(lines))
     (tmp_path / "reversed.txt").write_text("\n".join(reversed(lines)))   # same words and rows, other order
     _run(tmp_path / "first", tmp_path / "mine.txt", "--steps", "1")
@@ -176,7 +179,7 @@ def test_resuming_on_other_text_of_the_same_size_is_refused(tmp_path):
 
 
 def test_the_trainer_api_takes_own_text_and_evaluates_a_small_held_out_set(tmp_path):
-    train, held = load_own_text(REPO_ROOT / "README.md", seq_len=16, held_out=0.01)
+    train, held = load_own_text(SAMPLE, seq_len=16, held_out=0.01)
     trainer = make_trainer(train, micro_batch=64, precision="fp32", output_dir=tmp_path, warmup_steps=1, total_steps=2)
     trainer.train(2, progress=False)
     assert len(held) < 64 and trainer.evaluate(held) > 0   # fewer held-out rows than one micro-batch
