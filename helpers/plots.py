@@ -43,7 +43,8 @@ def token_frequencies(counts_by_name: dict[str, np.ndarray], top: int = 60, save
 
 
 def transition_matrix(P: np.ndarray, words: list[str], n: int = 24, save_dir=None):
-    """The top-left n x n corner of the Markov transition matrix."""
+    """The top-left n x n corner of the Markov transition matrix (all of it when it has fewer words)."""
+    n = min(n, len(words))
     fig, ax = plt.subplots(figsize=(5.5, 4.8))
     im = ax.imshow(P[:n, :n], cmap="Blues")
     ax.set_xticks(range(n), words[:n], rotation=90, fontsize=7)
