@@ -91,7 +91,7 @@ class NoMeasure:
 def train(config: dict, model, batches, steps: int, measure=NoMeasure()) -> list[float]:
     """What one rank runs: config -> deepspeed.initialize -> the loop. Returns the loss of each step."""
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    undo_optimizer_init_step(engine)   # ZeRO 0 in bf16/fp16 only: notebook 04's pitfalls
+    undo_optimizer_init_step(engine)   # a DeepSpeed 0.19 quirk at ZeRO 0 in bf16/fp16: see "DeepSpeed 0.19 pitfalls"
     losses = []
     for step in range(steps):
         measure.step_begins(step, engine)
@@ -153,15 +153,18 @@ class Measure(NoMeasure):
 def run_stage(a, block: dict, data, rt) -> dict:
     """Train with one zero_optimization `block` ({"stage": 2}, or a whole block), measured; return what this
     rank held, sent, and how its steps went."""
-    set_seed(a.seed)
+    set_seed(a.seed)   # the same seed on every rank: every rank starts from the same weights
     with allocated_peak("cpu") as loaded:   # every process first builds the whole model in fp32 on the host
-        model = build_model(data.vocab_size, a.seq_len, a.model_size, data.tokenizer.pad_token_id, a.seed)
+        model = build_model(data.vocab_size, n_positions=a.seq_len, size=a.model_size,
+                            pad_token_id=data.tokenizer.pad_token_id, seed=a.seed)
     n_params = sum(p.numel() for p in model.parameters())
     precision = a.precision or rt.precision
     config = stage_config(a, block, n_params, precision, rt.device, world_size())
     validate(config, device=rt.device, world_size=world_size(), capability=rt.capability)
     save_config(a.out, f"stage{config['zero_optimization']['stage']}", config)
-    batches = ResumableBatches(data, a.micro_batch, a.seed, process_rank(), world_size())
+    # this rank's shard of every global batch: rank r of N reads micro-batches r, r + N, r + 2N, ...
+    batches = ResumableBatches(data, micro_batch=a.micro_batch, seed=a.seed, rank=process_rank(),
+                               world_size=world_size())
     measure = Measure(rt.is_gpu)
     losses = train(config, model, batches, a.steps + 1, measure)   # warm-up, held, logged, then timed steps
     return {"stage": config["zero_optimization"]["stage"], "n_params": n_params, "precision": precision,
@@ -186,10 +189,12 @@ def run_here(block: dict, data, out, **options) -> dict:
 
 
 def main(argv=None):
+    """What each of the N processes runs. torchrun starts them with RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT set; the first deepspeed.initialize (in `train`) joins them into one process group."""
     a = parse(argv)
-    rt = detect()
-    set_up_process(rt)
-    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+    rt = detect()            # the device (a CPU here, gloo) and the precision this machine trains in
+    set_up_process(rt)       # quiet logs; plain `python -m` instead of torchrun: a 1-rank job
+    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)   # the same on every rank
     write_result(a.out, {"stages": [run_stage(a, {"stage": s}, data, rt) for s in a.stages]})
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
