@@ -32,12 +32,14 @@ def bars(labels, values, title: str, ylabel: str, save_dir=None, name="bars", hi
 
 
 def token_frequencies(counts_by_name: dict[str, np.ndarray], top: int = 60, save_dir=None):
-    """Sorted token frequencies of several datasets side by side (rank-frequency plot)."""
+    """Sorted token frequencies of several datasets side by side (rank-frequency plot): the `top` most common
+    tokens, each as its share of all the tokens counted (not only of those plotted)."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for label, counts in counts_by_name.items():
-        freq = np.sort(np.asarray(counts, dtype=float))[::-1][:top]
-        ax.plot(np.arange(1, len(freq) + 1), freq / freq.sum(), marker=".", label=label)
-    ax.set(title=f"Token frequency, {top} most common tokens", xlabel="rank", ylabel="share of tokens")
+        counts = np.asarray(counts, dtype=float)
+        freq = np.sort(counts)[::-1][:top]
+        ax.plot(np.arange(1, len(freq) + 1), freq / counts.sum(), marker=".", label=label)
+    ax.set(title=f"Token frequency, {top} most common tokens", xlabel="rank", ylabel="share of all tokens")
     ax.legend()
     return finish(fig, save_dir, "token_frequencies")
 
@@ -49,7 +51,7 @@ def transition_matrix(P: np.ndarray, words: list[str], n: int = 24, save_dir=Non
     im = ax.imshow(P[:n, :n], cmap="Blues")
     ax.set_xticks(range(n), words[:n], rotation=90, fontsize=7)
     ax.set_yticks(range(n), words[:n], fontsize=7)
-    ax.set(title=f"P(next word | word), first {n} words", xlabel="next word", ylabel="word")
+    ax.set(title=f"P(next word | word), first {n} of {len(words)} words", xlabel="next word", ylabel="word")
     fig.colorbar(im, ax=ax, shrink=0.8)
     return finish(fig, save_dir, "transition_matrix")
 
