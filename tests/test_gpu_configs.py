@@ -100,3 +100,13 @@ def test_the_checks_refuse_what_they_should():
     bf16 = {k: v for k, v in t4.items() if k != "fp16"} | {"bf16": {"enabled": True}}
     with pytest.raises(ConfigError, match="bf16"):
         validate(bf16, device="cuda", world_size=1, capability=(7, 5))
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_multi_rank_bucket_allreduce_left_at_its_default(name):
+    """Notebook 04's advice: keep use_multi_rank_bucket_allreduce at DeepSpeed's default (true; read by stages 1-2
+    only, stage_1_and_2.py average_tensor) unless a timed run at stage 1-2 on many GPUs says otherwise."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    zero = load(name)["zero_optimization"]
+    assert "use_multi_rank_bucket_allreduce" not in zero
+    assert DeepSpeedZeroConfig(**zero).use_multi_rank_bucket_allreduce is True

@@ -1,6 +1,6 @@
 """The ZeRO comparison (notebook 04): the same model, data and seed trained at each ZeRO stage in turn.
 
-    torchrun --nproc_per_node 2 -m helpers.programs.zero_stages --out runs/zero --stages 0 1 2 3
+    torchrun --nproc_per_node 2 -m helpers.programs.zero_stages --out runs/04_zero_stages/default --stages 0 1 2 3
 
 What one rank runs is `train`: a DeepSpeed config, `deepspeed.initialize`, the loop. The only thing that
 changes between stages is the config's zero_optimization block (`zero_block`). Measurement (bytes held,
@@ -26,7 +26,7 @@ from helpers.launch import flags, save_config, write_result
 from helpers.memory.measured import (allocated_peak, held_bytes, measurement_zero_extra, peak_memory, split_by_side,
                                      zero2_overhang_bytes)
 from helpers.model import MODEL_SIZES, build_model
-from helpers.precision import PRECISIONS
+from helpers.precision import PRECISIONS, eps
 from helpers.runtime import detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, world_size
 from helpers.trainer import undo_optimizer_init_step
 
@@ -110,10 +110,10 @@ def train(config: dict, model, batches, steps: int, measure=NoMeasure()) -> list
 
 
 class Measure(NoMeasure):
-    """What the comparison records around `train`'s loop: step 0 warms up (buffers, Adam state); step 1 reads
-    the bytes held after its first backward (mid-accumulation, the moment the paper's formulas describe);
-    step 2's collectives are logged (DeepSpeed's comms logger) and its writes counted by the kernel;
-    later steps are timed."""
+    """What the comparison records around `train`'s loop (steps counted from 0 here; notebook 04 counts from 1):
+    step 0 warms up (buffers, Adam state); step 1 reads the bytes held after its first backward
+    (mid-accumulation, the moment the paper's formulas describe); step 2's collectives are logged (DeepSpeed's
+    comms logger) and its writes counted by the kernel; later steps are timed."""
     HELD, LOGGED = 1, 2
 
     def __init__(self, is_gpu: bool):
@@ -148,6 +148,21 @@ class Measure(NoMeasure):
             self.step_s.append(time.perf_counter() - self.start)
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
         self.result["peak_memory_mib"] = peak_memory("cuda") / 2**20 if self.is_gpu else None
+
+
+def tolerance_per_step(curve: list[float], precision: str) -> list[float]:
+    """How far a loss curve may move, at each step, from rounding alone (notebook 04's appendix derives it): the
+    training dtype's machine epsilon times the distance the loss has travelled so far, at least 8 fp32
+    spacings of the loss itself (the loss is computed in fp32)."""
+    travelled = [sum(abs(b - a) for a, b in zip(curve[:t], curve[1:t + 1])) for t in range(len(curve))]
+    return [max(eps(precision) * d, 8 * torch.finfo(torch.float32).eps * loss) for d, loss in zip(travelled, curve)]
+
+
+def gap_over_tolerance(ranks: list[dict], reference: list[dict]) -> float:
+    """The largest difference, over ranks and steps, between a run's losses and a reference run's (each
+    {stage: [rank results]}-style list), as a fraction of the reference's `tolerance_per_step`: <= 1 passes."""
+    return max(abs(a - b) / tol for r, r0 in zip(ranks, reference)
+               for a, b, tol in zip(r["losses"], r0["losses"], tolerance_per_step(r0["losses"], r0["precision"])))
 
 
 def run_stage(a, block: dict, data, rt) -> dict:
