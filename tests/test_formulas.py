@@ -103,3 +103,17 @@ def test_whole_model_activation_terms():
     assert full["logits"] == ckpt["logits"] == S * B * 50257 * (4 + 2)
     assert ckpt["total"] < full["total"]
     assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k != "total"))
+
+
+def test_fused_attention_keeps_no_seq_squared_term():
+    """SDPA / flash attention keep Q, K, V and the output plus an fp32 log-sum-exp per row, not the a s^2 b
+    scores eager attention stores: the difference is the paper's as^2b term less that log-sum-exp."""
+    from helpers.memory.formulas import activation_bytes, activation_bytes_per_layer
+    s, b, h, a = 1024, 2, 768, 12
+    eager = activation_bytes_per_layer(s, b, h, a, 2)
+    for fused in ("sdpa", "flash"):
+        assert eager - activation_bytes_per_layer(s, b, h, a, 2, attention=fused) == a * s * s * b * 2 - 4 * a * s * b
+        assert activation_bytes_per_layer(s, b, h, a, 2, True, attention=fused) == activation_bytes_per_layer(s, b, h, a, 2, True)
+    assert activation_bytes(s, b, h, a, 12, 50257, 2)["total"] > activation_bytes(s, b, h, a, 12, 50257, 2, attention="sdpa")["total"]
+    with pytest.raises(ValueError, match="attention"):
+        activation_bytes_per_layer(s, b, h, a, 2, attention="xformers")

@@ -280,3 +280,23 @@ BAD = [
 def test_bad_input_names_the_field(function, bad, message):
     with pytest.raises(ValueError, match=message):
         function(**bad)
+
+
+def test_plan_shrinks_the_micro_batch_before_raising_the_stage():
+    """The calculator's order (what notebook 05 says it does): at one offload and checkpointing choice it tries
+    every micro-batch of stage 0 (largest first) before stage 1, every stage before checkpointing, and
+    checkpointing before offload."""
+    rows = planner.plan("GPT-2 1.5B", 80, precision="bf16")
+    keys = [(list(planner.OFFLOADS).index(r["offload"]), r["checkpointing"], r["stage"], -r["micro_batch"]) for r in rows]
+    assert keys == sorted(keys)
+    first_stage0_mb1 = next(i for i, r in enumerate(rows) if (r["offload"], r["checkpointing"], r["stage"], r["micro_batch"]) == ("none", False, 0, 1))
+    first_stage1 = next(i for i, r in enumerate(rows) if (r["offload"], r["checkpointing"], r["stage"]) == ("none", False, 1))
+    assert first_stage0_mb1 < first_stage1
+    best = planner.best_plan("GPT-2 1.5B", 40, precision="bf16")   # stage 0 at a small micro-batch, not stage 1 at 32
+    assert (best["stage"], best["offload"], best["checkpointing"]) == (0, "none", False) and best["micro_batch"] < 32, best
+
+
+def test_fused_attention_needs_less_activation_memory():
+    eager, sdpa = (planner.row_for(planner.plan("GPT-2 1.5B", 80, attention=att), 0, micro_batch=8)
+                   for att in ("eager", "sdpa"))
+    assert sdpa["activations_gb"] < eager["activations_gb"] and sdpa["model_states_gb"] == eager["model_states_gb"]

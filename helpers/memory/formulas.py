@@ -77,9 +77,13 @@ def gpt2_sizes() -> list[dict]:
     return [shape for name, shape in models().items() if name.startswith("GPT-2")]
 
 
+# Attention implementations the activation count knows (HF's attn_implementation names)
+ATTENTIONS = ("eager", "sdpa", "flash")
+
+
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
                                bytes_per_element: float = 2, checkpointing: bool = False,
-                               dropout: bool = False) -> float:
+                               dropout: bool = False, attention: str = "eager") -> float:
     """Bytes one transformer layer keeps for its backward pass.
 
     Counted tensor by tensor as in the paper (s = seq_len, b = micro_batch, h = hidden, a = heads):
@@ -94,22 +98,35 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     softmax itself: (16sbh + as^2b) x bytes_per_element, i.e. sbh(32 + 2as/h) in 16-bit, twice that in fp32.
     With full checkpointing a layer keeps only its input: bytes_per_element x sbh (2sbh in 16-bit);
     the one layer being recomputed is added once per model by `activation_bytes`.
+
+    attention: "eager" (HF's `attn_implementation="eager"`, the paper's count) stores the a s^2 b softmax.
+    "sdpa" or "flash" (HF's default `scaled_dot_product_attention`, flash attention) are fused kernels that
+    keep no s^2 tensor: they save Q, K, V and the output (counted above) plus one fp32 log-sum-exp per row
+    (4 a s b bytes) and recompute the scores in backward; without dropout that replaces the as^2b term.
     """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r} is not one of {ATTENTIONS}")
     sbh, as2b = seq_len * micro_batch * hidden, heads * seq_len ** 2 * micro_batch
     if checkpointing:
         return bytes_per_element * sbh
+    if attention != "eager":
+        if dropout:
+            raise ValueError("dropout with a fused attention kernel is not modelled: use attention='eager'")
+        return 16 * sbh * bytes_per_element + 4 * heads * seq_len * micro_batch
     if not dropout:
         return (16 * sbh + as2b) * bytes_per_element
     return (16 * sbh + 2 * as2b) * bytes_per_element + (2 * sbh + as2b)   # + the 1-byte masks
 
 
 def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, n_layer: int, vocab: int,
-                     bytes_per_element: float = 2, checkpointing: bool = False) -> dict:
+                     bytes_per_element: float = 2, checkpointing: bool = False, attention: str = "eager") -> dict:
     """Activation bytes of the whole model (no dropout), by term: layers (n_layer x per layer); recompute
     (with checkpointing, one layer's full activations while its backward runs); logits, which follow the
-    vocabulary: the loss's fp32 log-softmax (the paper's 4sbv) plus the logits HF's output holds."""
+    vocabulary: the loss's fp32 log-softmax (the paper's 4sbv) plus the logits HF's output holds.
+    attention: as in `activation_bytes_per_layer` ("eager" keeps the s^2 scores, "sdpa"/"flash" do not)."""
     def per_layer(ckpt):
-        return activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, bytes_per_element, ckpt)
+        return activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, bytes_per_element, ckpt,
+                                          attention=attention)
 
     out = {"layers": n_layer * per_layer(checkpointing), "recompute": per_layer(False) if checkpointing else 0.0,
            "logits": seq_len * micro_batch * vocab * (4 + bytes_per_element)}

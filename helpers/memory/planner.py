@@ -63,13 +63,19 @@ def _preference(row: dict) -> tuple:
 
 def plan(model: str | dict, gpu_memory_gb: float, n_gpus: int = 1, seq_len: int | None = None,
          precision: str = "bf16", micro_batches=MICRO_BATCHES, overhead_gb: float = OVERHEAD_GB,
-         host_memory_gb: float | None = None) -> list[dict]:
+         host_memory_gb: float | None = None, attention: str = "eager") -> list[dict]:
     """Every (stage, offload, checkpointing, micro_batch) with its GPU and CPU bytes, in GB, sorted by
     `_preference`, for a model of formulas.models() (its name or its dict; seq_len defaults to its
     context). gpu_gb = model states + activations (+ the recomputed layer) + overhead_gb;
     fits = gpu_gb <= gpu_memory_gb, and the offloaded states (cpu_gb, all n_gpus ranks' shares) fit in
     host_memory_gb where it is given (a free Colab T4 has 12.7 GB of host RAM: less than many offloads need).
-    Activations are per GPU: data parallelism does not split them."""
+    Activations are per GPU: data parallelism does not split them. attention="eager" (the default) counts the
+    a s^2 b attention scores eager attention keeps; "sdpa" or "flash" (HF's default on a GPU, fused kernels)
+    keep none, so the same model needs less (formulas.activation_bytes_per_layer).
+
+    Order (`_preference`): within one offload and checkpointing choice, every micro-batch of a stage (largest
+    first) comes before the next stage, so the first row that fits has shrunk the micro-batch before it raises
+    the ZeRO stage; it raises the stage before it checkpoints, and checkpoints before it offloads."""
     shape = models()[model] if isinstance(model, str) else model
     seq_len, rows = seq_len or shape["context"], []
     for offload, stages in OFFLOADS.items():
@@ -79,7 +85,7 @@ def plan(model: str | dict, gpu_memory_gb: float, n_gpus: int = 1, seq_len: int 
             for ckpt in (False, True):
                 for mb in micro_batches:
                     act = activation_bytes(seq_len, mb, shape["hidden"], shape["heads"], shape["n_layer"],
-                                           shape["vocab"], ELEMENT_BYTES[precision], ckpt)["total"]
+                                           shape["vocab"], ELEMENT_BYTES[precision], ckpt, attention)["total"]
                     gpu = (states["gpu"] + act) / GB + overhead_gb
                     host_fits = host_memory_gb is None or states["cpu"] / GB <= host_memory_gb
                     rows.append({"stage": stage, "offload": offload, "checkpointing": ckpt, "micro_batch": mb,
