@@ -1,7 +1,8 @@
 """configs/gpu/*.json, the three ready configs of notebook 04 (read by notebook 05): each is accepted by DeepSpeed
 0.19's own config classes at the world size it is for and by helpers.config.validate for that GPU, and the model
 states of the model it is for fit in half of that GPU by DeepSpeed's own estimators (the other half is left to
-activations and buffers, notebook 05), and on the host where its RAM is small (Colab)."""
+activations and buffers, notebook 05), and on the host where its RAM is small (Colab). One GPU partitions nothing:
+the one-GPU files run stage 0."""
 import json
 from pathlib import Path
 
@@ -81,8 +82,8 @@ def test_model_states_fit_by_deepspeeds_estimators(name):
     if stage == 3:
         host, gpu, _ = estimate_zero3_model_states_mem_needs(spec["params"], spec["largest"], spec["gpus"], 1,
                                                              cpu_offload=spec["offload"], cpu_offload_params=False)
-    else:
-        assert stage == 2
+    else:   # stage 0 has no estimator; on one GPU stage 2's (2Ψ + 18Ψ) counts what stage 0 holds (test below)
+        assert stage == 2 or (stage == 0 and spec["gpus"] == 1), (stage, spec)
         host, gpu = estimate_zero2_model_states_mem_needs(spec["params"], spec["gpus"], 1, cpu_offload=spec["offload"])
     assert gpu <= 0.5 * spec["gpu_gb"] * GB, (gpu / GB, spec)
     if spec["host_gb"] is not None:
@@ -110,3 +111,30 @@ def test_multi_rank_bucket_allreduce_left_at_its_default(name):
     zero = load(name)["zero_optimization"]
     assert "use_multi_rank_bucket_allreduce" not in zero
     assert DeepSpeedZeroConfig(**zero).use_multi_rank_bucket_allreduce is True
+
+
+@pytest.mark.parametrize("name", [n for n, spec in SPECS.items() if spec["gpus"] == 1])
+def test_one_gpu_files_run_stage_0_and_its_estimate_counts_stage_0(name):
+    """One GPU partitions nothing, so stage 0 (notebook 04, section 7). DeepSpeed has no stage-0 estimator; at N = 1
+    its stage-2 estimate is stage 0's paper bytes, 16Ψ, plus the fp32 copy of every gradient that stage 0's optimizer
+    wrapper makes in step (runtime/fp16/unfused_optimizer.py, FP16_UnfusedOptimizer.step), as helpers.memory.planner
+    counts stage 0."""
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from helpers.memory import planner
+    config, psi = load(name), SPECS[name]["params"]
+    assert config["zero_optimization"] == {"stage": 0}
+    precision = "fp16" if config.get("fp16", {}).get("enabled") else "bf16"
+    _, gpu = estimate_zero2_model_states_mem_needs(psi, 1, 1, cpu_offload=False)
+    assert gpu == 20 * psi
+    assert planner.model_state_bytes(psi, 1, 0, precision=precision)["gpu"] == pytest.approx(gpu, rel=1e-9)
+    assert planner.model_state_bytes(psi, 1, 0, precision=precision, counting="paper")["gpu"] == 16 * psi
+
+
+def test_gpt2_774m_does_not_fit_a_t4_at_stage_0():
+    """Notebook 04's reason for GPT-2 355M on the T4: 774M's model states alone, as DeepSpeed counts them (20Ψ), exceed
+    the T4's 15 usable GB, before activations and CUDA context."""
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from helpers.memory import formulas
+    psi = next(s["params"] for s in formulas.gpt2_sizes() if "774" in s["name"])
+    _, gpu = estimate_zero2_model_states_mem_needs(psi, 1, 1, cpu_offload=False)
+    assert gpu > SPECS["gpt2-355m_1xT4-16GB.json"]["gpu_gb"] * GB
