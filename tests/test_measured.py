@@ -73,7 +73,5 @@ def test_held_bytes_match_the_formula_on_one_rank(data, tmp_path, stage, precisi
 
 
 def test_held_bytes_are_read_mid_accumulation_only():
-    with pytest.raises(ValueError, match="grad_accum >= 2"):
-        measured.held_while_accumulating(engine=None, batches=None, accum=1)
     with pytest.raises(SystemExit):   # the program refuses it as a flag, before any model is built
         zero_stages.parse(["--out", "x", "--stages", "1", "--grad-accum", "1"])

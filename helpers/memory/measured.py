@@ -108,22 +108,6 @@ def zero2_overhang_bytes(engine) -> int:
     return extra * opt.gradient_accumulation_dtype.itemsize
 
 
-def held_while_accumulating(engine, batches, accum: int) -> dict:
-    """One optimizer step, with `held_bytes` read after its first backward: the moment the paper's formulas
-    describe, once Adam state exists (a step ran). Needs accum >= 2: DeepSpeed's ZeRO-1 keeps the full
-    gradient while accumulating (its peak, as in the paper), but at the end of the window it reduces it
-    and keeps only its partition, so after the last backward it looks like ZeRO-2."""
-    if accum < 2:
-        raise ValueError("held_while_accumulating needs grad_accum >= 2 (see the docstring)")
-    for micro in range(accum):
-        ids = batches.next().to(engine.device)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        if micro == 0:
-            held = held_bytes(engine)
-        engine.step()   # only the last micro-batch's call updates the weights
-    return held
-
-
 def host_side_tensors(engine) -> list:
     """The tensors ZeRO-Offload keeps on the offload device (host) for this engine's config."""
     opt, host = engine.optimizer, []

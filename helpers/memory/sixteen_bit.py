@@ -26,7 +26,7 @@ MICRO_BATCH, GRAD_ACCUM = 4, 2
 
 def model_states(data, precision: str, steps: int = 4, output_dir=".") -> dict:
     """Train briefly at ZeRO 1 in `precision` (the ZeRO comparison's `run_stage`, in this process); bytes
-    held per component (measured.held_while_accumulating), tokens/s of its timed steps and losses."""
+    held per component (read mid-accumulation by zero_stages.Measure), tokens/s of its timed steps and losses."""
     r = run_here({"stage": 1}, data, Path(output_dir) / precision, steps=steps, precision=precision,
                  micro_batch=MICRO_BATCH, grad_accum=GRAD_ACCUM)
     tokens_per_step = MICRO_BATCH * GRAD_ACCUM * data.seq_len   # one rank

@@ -39,7 +39,7 @@ def parse(argv=None):
     p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
     p.add_argument("--seq-len", type=integer(2), default=64)
     p.add_argument("--micro-batch", type=integer(1), default=4)
-    p.add_argument("--grad-accum", type=integer(2, "see helpers.memory.measured.held_while_accumulating"), default=2)
+    p.add_argument("--grad-accum", type=integer(2, "ZeRO-1 holds full gradients only while accumulating: see Measure"), default=2)
     p.add_argument("--lr", type=number(), default=3e-3)
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--precision", choices=list(PRECISIONS), help="default: the one this machine's rule picks")
@@ -112,7 +112,9 @@ def train(config: dict, model, batches, steps: int, measure=NoMeasure()) -> list
 class Measure(NoMeasure):
     """What the comparison records around `train`'s loop (steps counted from 0 here; notebook 04 counts from 1):
     step 0 warms up (buffers, Adam state); step 1 reads the bytes held after its first backward
-    (mid-accumulation, the moment the paper's formulas describe); step 2's collectives are logged (DeepSpeed's
+    (mid-accumulation, the moment the paper's formulas describe: ZeRO-1 keeps the full gradient while
+    accumulating, and at the end of the window keeps only its partition, so --grad-accum must be >= 2);
+    step 2's collectives are logged (DeepSpeed's
     comms logger) and its writes counted by the kernel; later steps are timed."""
     HELD, LOGGED = 1, 2
 
