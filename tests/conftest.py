@@ -12,6 +12,7 @@ their checks hold there, and running them once more cost minutes of CI. Around t
 notebook must create or delete no file in the repository (everything goes to $TUTORIAL_RUN_DIR, a
 temporary folder unless you set one). `--notebook-passes 1` runs each notebook once, as plain nbval does.
 """
+import copy
 import os
 import tempfile
 import time
@@ -89,8 +90,11 @@ def notebook_items(cells: list, passes: int) -> list:
         switch = nbformat.v4.new_code_cell(f"import os\nos.environ['TUTORIAL_PRECISION'] = '{other}'\n")
         again = [IPyNbCell.from_parent(parent, name=f"TUTORIAL_PRECISION={other}", cell_num=-1, cell=switch,
                                        options=defaultdict(bool, check=False))]
-        again += [IPyNbCell.from_parent(parent, name=f"{c.name} ({other})", cell_num=c.cell_num, cell=c.cell,
-                                        options=c.options) for c in cells if c.cell.get("id") in ids]
+        # A copy of each cell: nbval's coalesce_streams merges a cell's stdout outputs into the first one in place,
+        # so after the first pass a cell stored with two stdout outputs would be compared with its second one twice.
+        again += [IPyNbCell.from_parent(parent, name=f"{c.name} ({other})", cell_num=c.cell_num,
+                                        cell=copy.deepcopy(c.cell), options=c.options)
+                  for c in cells if c.cell.get("id") in ids]
     return [RepositorySnapshot.from_parent(parent, name="repository files before"), *cells, *again,
             RepositoryUnchanged.from_parent(parent, name="repository files after")]
 

@@ -15,15 +15,31 @@ def test_an_output_of_one_precision_fails_the_second_pass(tmp_path):
                                      "from helpers.runtime import detect\nprint(detect().precision)")
     cell.execution_count, cell.outputs = 1, [nbformat.v4.new_output("stream", name="stdout", text=f"{rule}\n")]
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "probe.ipynb")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", f"--rootdir={ROOT}",
-                          "-c", str(ROOT / "pyproject.toml"), str(tmp_path / "probe.ipynb"),
-                          "tests/test_notebook_passes.py::test_nothing"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = run_probe(tmp_path / "probe.ipynb")
     other = "bf16" if rule == "fp32" else "fp32"
     failed = [line.split(" - ")[0] for line in run.stdout.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and failed[0].endswith(f"Cell 0 ({other})"), run.stdout[-3000:]   # the second pass only
     assert f"'{rule}\\n' == '{other}\\n'" in run.stdout
     assert "1 failed, 5 passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_a_cell_stored_with_two_stdout_outputs_passes_both_passes(tmp_path):
+    """A kernel may send one cell's prints as two stream messages (a slow call between them: 03's resume check).
+    nbval merges them in place in the stored cell; the second pass compares against a copy of it (CI failed here)."""
+    cell = nbformat.v4.new_code_cell("print('one')\nprint('two')")
+    cell.execution_count = 1
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=t) for t in ("one\n", "two\n")]
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "probe.ipynb")
+    run = run_probe(tmp_path / "probe.ipynb")
+    assert "6 passed" in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]
+
+
+def run_probe(notebook):
+    """pytest on the probe notebook from the repository root, with tests/conftest.py loaded (test_nothing)."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", f"--rootdir={ROOT}",
+                           "-c", str(ROOT / "pyproject.toml"), str(notebook),
+                           "tests/test_notebook_passes.py::test_nothing"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_nothing():
