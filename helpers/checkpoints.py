@@ -16,18 +16,21 @@ import pickle
 from pathlib import Path
 
 from .config import zero_stage_of
+from .errors import InputError
 from .precision import precision_of
 
 
-class CheckpointNotFoundError(FileNotFoundError):
+# Input errors, like a bad config: the entry points show them as one line naming the fix.
+
+class CheckpointNotFoundError(InputError):
     """Asked to resume from a place that holds no complete DeepSpeed checkpoint."""
 
 
-class CheckpointCorruptError(RuntimeError):
+class CheckpointCorruptError(InputError):
     """A checkpoint's files exist but DeepSpeed cannot read them."""
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(InputError):
     """A checkpoint written with other settings (ZeRO stage, world size, precision, model) than the run's."""
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from helpers.config import zero_stage_of
-from helpers.trainer import find_checkpoint
+from helpers.checkpoints import find_checkpoint
 
 
 def fp32_state_dict(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -12,8 +12,7 @@ import torch
 from transformers import set_seed
 
 from . import checkpoints
-from .checkpoints import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,   # noqa: F401
-                          find_checkpoint)   # (public here too)
+from .checkpoints import find_checkpoint
 from .batches import ResumableBatches
 from .config import micro_batch_of, validate
 from .interrupts import StopRequested, agreed_stop, holding_signals

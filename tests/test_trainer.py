@@ -8,7 +8,8 @@ from helpers.data import SyntheticTextDataset
 from helpers.export import read_tensorboard
 from helpers.runtime import detect
 from helpers.model import build_model, generate
-from helpers.trainer import AdvancedDeepSpeedTrainer, CheckpointNotFoundError
+from helpers.checkpoints import CheckpointNotFoundError
+from helpers.trainer import AdvancedDeepSpeedTrainer
 from tests.trainers import make_trainer
 
 

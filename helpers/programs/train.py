@@ -34,7 +34,6 @@ import sys
 import warnings
 from pathlib import Path
 
-from helpers.checkpoints import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from helpers.config import ConfigError, load_json, micro_batch_of, validate
 from helpers.errors import InputError, integer
 from helpers.interrupts import StopRequested
@@ -277,7 +276,7 @@ def cli(argv=None) -> None:
     try:
         main(argv)
         end_process_group()
-    except (InputError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError) as err:
+    except InputError as err:   # a config, data, checkpoint or option mistake
         sys.exit(f"error: {err}")
     except StopRequested as stop:   # a scheduler reads the signal from the status: 128 + its number
         print(f"{signal.Signals(stop.signum).name}: stopped after step {stop.step}; checkpoint {stop.checkpoint} is "
