@@ -102,7 +102,7 @@ def lane_env(work: Path, lane: str, t4: bool) -> dict:
 
 def plan(work: Path, capability: tuple, memory_gb: float) -> dict:
     """The whole run: the prepare step, the lanes of the notebook phase, the benchmark; each with its cap."""
-    from helpers.hardware import gpu_has_bf16
+    from helpers.precision import gpu_has_bf16
     bf16 = gpu_has_bf16(capability)
     caps = {stem: notebook_cap(s) for stem, s in stored_seconds().items()}
     lanes = [{"name": f"native-{i + 1}", "t4": False, "jobs": [notebook_job(s, caps[s], work / "executed")

@@ -204,7 +204,8 @@ def estimate(names: list[str], micro_batch: int, seq_len: int, flops_token: floa
 
 
 def dry_run(a) -> dict:
-    from helpers.hardware import GPUS, gpu_has_bf16, gpu_named
+    from helpers.hardware import GPUS, gpu_named
+    from helpers.precision import gpu_has_bf16
     gpu = gpu_named(a.gpu)
     spec = GPUS[gpu]
     precision = a.precision if gpu_has_bf16(spec["capability"]) else "fp32"

@@ -17,7 +17,8 @@ from pathlib import Path
 import nbformat
 
 from helpers import REPO_ROOT
-from helpers.config import ConfigError, load_json, validate
+from helpers.config import load_json, validate
+from helpers.errors import ConfigError
 from helpers.hardware import GPUS, MATRIX_GPUS, runtime_for
 from helpers.memory import formulas, planner
 from helpers.model import MODEL_SIZES, auto_model_size, gpt2_param_count

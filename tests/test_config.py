@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from helpers.config import ConfigError, build_config, load_json, save_json, validate
+from helpers.config import build_config, load_json, save_json, validate
+from helpers.errors import ConfigError
 
 
 def good(**overrides):

@@ -11,7 +11,8 @@ import deepspeed
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from helpers.config import ConfigError, build_config, validate
+from helpers.config import build_config, validate
+from helpers.errors import ConfigError
 from helpers.model import build_model
 from helpers.runtime import init_single_process, quiet_deepspeed
 

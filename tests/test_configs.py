@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers import hf_trainer, presets
-from helpers.config import ConfigError, validate
+from helpers.config import validate
+from helpers.errors import ConfigError
 from helpers.runtime import init_single_process
 
 # accelerate warns that it picks a thread count when OMP_NUM_THREADS is unset: expected here

@@ -94,7 +94,7 @@ def test_the_checks_refuse_what_they_should():
     """The tests above bite: a misspelt ZeRO key is refused by DeepSpeed's model, bf16 on a T4 by validate."""
     from pydantic import ValidationError
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from helpers.config import ConfigError
+    from helpers.errors import ConfigError
     with pytest.raises(ValidationError):
         DeepSpeedZeroConfig(**load("7b_8xA100-80GB.json")["zero_optimization"], stage3_prefetch_bucket=1)
     t4 = load("gpt2-355m_1xT4-16GB.json")

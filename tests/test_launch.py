@@ -215,7 +215,8 @@ def test_a_launch_prints_where_its_configs_are_and_how_they_differ(tmp_path, cap
 
 def test_a_path_setting_inside_the_repository_is_shown_from_its_root(tmp_path, capsys, monkeypatch):
     """An NVMe folder under runs/ prints as runs/..., not as this machine's absolute path."""
-    from helpers.launch import REPO_ROOT, save_config, show_configs
+    from helpers import REPO_ROOT
+    from helpers.launch import save_config, show_configs
     monkeypatch.setattr("helpers.launch.process_rank", lambda: 0)
     inside, outside = REPO_ROOT / "runs" / "x" / "nvme", tmp_path / "nvme"
     for label, folder in (("cpu", None), ("inside", inside), ("outside", outside)):

@@ -4,7 +4,8 @@ equal the ZeRO/activation formulas worked by hand, the fits flag flips exactly a
 DeepSpeed config validates with the right batch product, and bad choices raise errors naming the field."""
 import pytest
 
-from helpers.config import ConfigError, validate
+from helpers.config import validate
+from helpers.errors import ConfigError
 from helpers.memory import planner
 from helpers.memory.formulas import models, zero_model_states
 

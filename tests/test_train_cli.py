@@ -14,7 +14,8 @@ from transformers import pipeline
 from helpers import presets
 from helpers.launch import run_program
 from helpers.programs import train
-from helpers.config import ConfigError, micro_batch_of
+from helpers.config import micro_batch_of
+from helpers.errors import ConfigError
 from helpers.export import read_tensorboard
 from helpers.runtime import detect
 

@@ -3,7 +3,8 @@ import deepspeed
 import pytest
 import torch
 
-from helpers.config import ConfigError, build_config
+from helpers.config import build_config
+from helpers.errors import ConfigError
 from helpers.data import SyntheticTextDataset
 from helpers.export import read_tensorboard
 from helpers.runtime import detect

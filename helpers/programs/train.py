@@ -34,8 +34,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from helpers.config import ConfigError, load_json, micro_batch_of, validate
-from helpers.errors import InputError, integer
+from helpers.config import load_json, micro_batch_of, validate
+from helpers.errors import ConfigError, InputError, integer
 from helpers.interrupts import StopRequested
 
 
