@@ -2,7 +2,7 @@
 the 2- and 4-rank runs against 1 rank, the comms logger and the measured bytes): the Llama's parameter split
 counted from the built model, the validator on `sequence_parallel_size`, the refusals that must come before
 any rank starts (one of them a hang: a sequence-parallel rank out of batches waits forever), the command line
-a launch prints, and the longest-sequence arithmetic."""
+a launch prints, the longest-sequence arithmetic, and the one-line refusals of the notebook's parameters cell."""
 import pytest
 import torch
 
@@ -57,3 +57,40 @@ def test_the_longest_sequence_scales_with_the_ranks_and_is_a_multiple_of_them():
     assert sequence_parallel.longest_sequence(10_050, per_token, 1) == 100
     assert sequence_parallel.longest_sequence(10_050, per_token, 4) == 400
     assert sequence_parallel.longest_sequence(10_000, 300.0, 2) % 2 == 0
+
+
+def _notebook_07_parameters_and_setup():
+    import nbformat
+    from helpers import REPO_ROOT
+    cells = nbformat.read(REPO_ROOT / "notebooks" / "07_tensor_sequence_parallel.ipynb", as_version=4).cells
+    i = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    return cells[i].source, cells[i + 1].source
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("N_RANKS", 4, r"N_RANKS=4: use 2"),
+    ("STEPS", 3, r"STEPS=3: use an even integer >= 2"),
+    ("TP_SEQ_LEN", 1, r"TP_SEQ_LEN=1: use an integer >= 2"),
+    ("TP_BATCH", 3, r"TP_BATCH=3: use an even integer >= 2"),
+    ("SP_LENGTHS", (64, 65), r"use multiples of N_RANKS=2"),
+    ("ACTIVATION_BUDGET_MB", 0, r"ACTIVATION_BUDGET_MB=0: use a number > 0"),
+    ("SEED", -1, r"SEED=-1: use an integer >= 0"),
+])
+def test_notebook_07_refuses_in_one_line_what_its_parameters_cell_does_not_offer(name, value, message):
+    """The cell after the parameters cell stops with one line naming the parameter and what to use, before any
+    DeepSpeed or torch code could fail deeper with a traceback."""
+    parameters, setup = _notebook_07_parameters_and_setup()
+    namespace = {}
+    exec(parameters, namespace)
+    namespace[name] = value
+    with pytest.raises(ValueError, match=message):
+        exec(setup, namespace)
+
+
+def test_notebook_07_accepts_its_default_parameters(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUTORIAL_RUN_DIR", str(tmp_path))
+    parameters, setup = _notebook_07_parameters_and_setup()
+    namespace = {}
+    exec(parameters, namespace)
+    exec(setup, namespace)
+    assert namespace["RUN"].is_relative_to(tmp_path)

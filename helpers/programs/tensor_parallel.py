@@ -11,7 +11,10 @@ parallelism, and ZeRO partitions over the replicas. For each ZeRO stage the prog
 from the same initial weights, logging one step's collectives, saves a checkpoint halfway, and finally
 loads that checkpoint into a fresh engine and trains the second half again. It records per rank: the
 losses, which layers AutoTP replaced and their shapes here, the bytes of model states held, DeepSpeed's
-process groups, and the logits of a probe batch beside the 16-bit model `save_16bit_model` wrote.
+process groups, and the logits of a probe batch beside the whole 16-bit model it exported.
+
+The lesson is notebook 07's `autotp_minimal.py` (config, `deepspeed.initialize`, the loop); this program is that
+loop with measurement attached: the comms logger, the checkpoint and resume, the export, the probes.
 """
 import argparse
 from pathlib import Path
@@ -19,6 +22,7 @@ from pathlib import Path
 import deepspeed
 import torch
 from deepspeed.comm import comms_logger
+from deepspeed.module_inject.layers import GatherReplacedLayerParams
 from deepspeed.utils import groups
 from transformers import set_seed
 
@@ -112,17 +116,27 @@ def process_groups(tp_size: int) -> dict:
 
 
 def export_whole(engine, folder: Path) -> dict:
-    """The trained model as one whole 16-bit state dict. AutoTP gathers its split layers in
-    `_consolidated_16bit_state_dict()` (what accelerate's get_state_dict calls); `save_16bit_model` does that only
-    at ZeRO-3, and below it writes rank 0's shards: their shapes are recorded to show it."""
+    """The trained model as one whole 16-bit state dict, by DeepSpeed 0.19.8's public routes. At ZeRO-3,
+    `save_16bit_model` gathers ZeRO's and AutoTP's partitions (engine.py `_zero3_consolidated_16bit_state_dict`,
+    with `GatherReplacedLayerParams`). Below ZeRO-3 it saves `module_state_dict()`: this rank's shards of the split
+    layers (their shapes are recorded to show it). So there each layer is gathered with
+    `deepspeed.module_inject.layers.GatherReplacedLayerParams`, the loop the engine's private
+    `_consolidated_16bit_state_dict` (`_replace_module_consolidated_state_dict`) runs. Every rank takes part."""
     engine.save_16bit_model(folder, "save_16bit_model.bin")
-    split = engine.autotp_size() > 1 or engine.zero_optimization_partition_weights()
-    whole = engine._consolidated_16bit_state_dict() if split else engine.module_state_dict()   # all ranks take part
-    if torch.distributed.get_rank() == 0:
-        torch.save(whole, folder / "whole.bin")
-    torch.distributed.barrier()   # the file exists before any rank reports it
-    written = torch.load(folder / "save_16bit_model.bin", map_location="cpu")
-    return {"export": str(folder / "whole.bin"), "save_16bit_model_head": list(written["lm_head.weight"].shape)}
+    written = folder / "save_16bit_model.bin"
+    if not engine.zero_optimization_partition_weights():
+        whole = {}
+        for name, module in engine.module.named_modules():   # the same order on every rank: the gathers pair up
+            params = list(module.parameters(recurse=False))
+            with GatherReplacedLayerParams(params, module, enabled=engine.autotp_size() > 1):   # whole, inside the block
+                whole.update({f"{name}.{key}".lstrip("."): p.detach().cpu().clone()
+                              for key, p in module.named_parameters(recurse=False)})
+        if torch.distributed.get_rank() == 0:
+            torch.save(whole, folder / "whole.bin")
+    torch.distributed.barrier()   # the files exist before any rank reads them
+    saved = torch.load(written, map_location="cpu")   # what save_16bit_model wrote
+    export = written if engine.zero_optimization_partition_weights() else folder / "whole.bin"
+    return {"export": str(export), "save_16bit_model_head": list(saved["lm_head.weight"].shape)}
 
 
 def run_stage(a, stage: int, data, precision: str, replicas: int) -> dict:
