@@ -6,8 +6,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 from helpers.precision import precision_of
 from helpers.presets import resolve
+
+
+class StopAfter(TrainerCallback):
+    """Stop a HF `Trainer` after `steps` optimizer steps: HF refuses a `max_steps` other than the DeepSpeed
+    config's `total_num_steps`, so a short demo run of a file keeps the file's schedule and stops early."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.steps
 
 
 def matching_arguments(config: dict) -> dict:
@@ -38,16 +51,12 @@ def training_arguments(config_path: str | Path, output_dir: str | Path, **overri
 def hf_trainer(config_path: str | Path, model, data, output_dir: str | Path, stop_after: int, **overrides):
     """A HF `Trainer` that trains `model` on `data` with the config file as it is, for `stop_after` steps:
     HF refuses a max_steps other than the file's total_num_steps, so a callback stops it."""
-    from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback
-
-    class StopAfter(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step >= stop_after
+    from transformers import DataCollatorForLanguageModeling, Trainer
 
     # disable_tqdm: HF's notebook progress bar is an HTML display a saved notebook keeps at its first frame.
     args = training_arguments(config_path, output_dir, **{"disable_tqdm": True, **overrides})
     return Trainer(model=model, args=args, train_dataset=data,
-                   data_collator=DataCollatorForLanguageModeling(data.tokenizer, mlm=False), callbacks=[StopAfter()])
+                   data_collator=DataCollatorForLanguageModeling(data.tokenizer, mlm=False), callbacks=[StopAfter(stop_after)])
 
 
 def release_hf_deepspeed() -> None:

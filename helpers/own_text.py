@@ -198,3 +198,12 @@ def require_global_batch(train: PackedText, global_batch: int, source) -> None:
         raise DataError(f"--data {source}: {len(train)} training rows of {train.seq_len} tokens, fewer than one "
                         f"global batch ({global_batch} rows = micro-batch x gradient accumulation x ranks): "
                         "use more text, a shorter --seq-len, or a smaller batch")
+
+
+def unigram_loss(train: PackedText, held_out: PackedText) -> float:
+    """Nats per token on `held_out` of the best model that ignores context: each word's frequency in `train`
+    (add-one smoothed, so a word the training rows never hold still has a probability). A language model
+    below this line predicts from the words before, not from word frequencies alone."""
+    counts = torch.bincount(train.rows.flatten(), minlength=train.vocab_size).double() + 1
+    log_p = counts.log() - counts.sum().log()
+    return -log_p[held_out.rows.flatten()].mean().item()

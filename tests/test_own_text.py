@@ -183,3 +183,17 @@ def test_the_trainer_api_takes_own_text_and_evaluates_a_small_held_out_set(tmp_p
     trainer = make_trainer(train, micro_batch=64, precision="fp32", output_dir=tmp_path, warmup_steps=1, total_steps=2)
     trainer.train(2, progress=False)
     assert len(held) < 64 and trainer.evaluate(held) > 0   # fewer held-out rows than one micro-batch
+
+
+def test_the_unigram_loss_is_the_cross_entropy_of_word_frequencies(tmp_path):
+    """Counted by hand: training rows hold 'a' 3 times and 'b' once; with add-one smoothing over the vocabulary."""
+    from helpers.own_text import PackedText, unigram_loss
+    import math
+    (tmp_path / "t.txt").write_text("a a a b")
+    parts = load_own_text(tmp_path / "t.txt", seq_len=2, held_out=0.5)
+    tok = parts[0].tokenizer
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    train, held_out = PackedText(torch.tensor([[a, a], [a, b]]), tok), PackedText(torch.tensor([[a, b]]), tok)
+    total = 4 + len(tok)   # 4 counted tokens, plus one for every id of the vocabulary
+    expected = -(math.log(4 / total) + math.log(2 / total)) / 2
+    assert abs(unigram_loss(train, held_out) - expected) < 1e-12
