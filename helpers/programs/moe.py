@@ -150,7 +150,7 @@ def check_options(a, world_size: int) -> None:
         raise ValueError(f"steps={a.steps}: need at least 3 (a logged step, then timed ones)")
 
 
-def make_engine(model, a, precision: str, world: int):
+def make_engine(model, a, precision: str, world: int, label: str = "moe"):
     """A DeepSpeed engine for `model`. DeepSpeed wants expert parameters in optimizer groups of their
     own (marked 'moe'): their gradients are averaged only over the ranks holding the *same* experts
     (the expert-data-parallel group, world_size / ep_size ranks), not over every rank like the shared
@@ -168,7 +168,7 @@ def make_engine(model, a, precision: str, world: int):
                                                                    "name": "shared"})
     described = [{"name": g["name"], "moe": g.get("moe", False), "params": sum(p.numel() for p in g["params"])}
                  for g in groups]
-    save_config(a.out, "moe", config)
+    save_config(a.out, label, config)
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=groups)
     # ZeRO 1-2 swap each group's parameters for this rank's fp32 partition of them: the shared group is
     # split over all ranks, an expert group only over the ranks holding the same experts.
@@ -229,7 +229,7 @@ def train_side_by_side(models: dict, a, data, precision: str, world: int) -> dic
     first step of each runs with the comms logger on. Returns {name: (engine, what was recorded)}."""
     runs = {}
     for name, model in models.items():
-        engine, groups = make_engine(model, a, precision, world)
+        engine, groups = make_engine(model, a, precision, world, name)
         batches = ResumableBatches(data, a.micro_batch, a.seed, engine.global_rank, world)
         first, logged = logged_step(engine, batches)
         runs[name] = (engine, batches, {"optimizer_groups": groups, "comm_logged": logged, "history": [first]})
