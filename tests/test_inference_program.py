@@ -93,3 +93,22 @@ def test_weights_saved_in_16_bit_load_over_the_seeded_model(tmp_path):
     loaded = inference.load_model(a)
     weight = loaded.model.embed_tokens.weight
     assert torch.equal(weight, trained.model.embed_tokens.weight.bfloat16().float())
+
+
+def test_prompts_from_the_data_are_sentence_starts_of_zero3s_language_and_read_back_as_its_words(tmp_path):
+    a = inference.parse(["--out", str(tmp_path), "--model", "gpt2", "--parts", "zero", "--prompts", "data",
+                         "--prompt-len", "5"])
+    ids, probe, tokenizer = inference.prompts(a)
+    data = inference.prompt_data(a)   # what helpers.programs.zero3 trains on, with its defaults
+    assert torch.equal(ids, torch.stack([data[i]["input_ids"][:5] for i in range(a.batch)]))
+    assert probe.shape == ids.shape and not torch.equal(probe, ids)
+    texts = inference.texts(tokenizer, ids, [[0, 1], [2, 3]], {"zero": {"tokens": [[0, 1], [2, 3]]}})
+    assert [len(t.split()) for t in texts["prompt"]] == [5, 5] and texts["zero"] == texts["plain"]
+    random_ids, _, none = inference.prompts(inference.parse(["--out", str(tmp_path)]))
+    assert none is None and inference.texts(none, random_ids, [], {}) is None
+
+
+def test_prompts_from_the_data_need_a_vocabulary_that_holds_its_words(tmp_path):
+    with pytest.raises(ValueError, match="prompts=data with vocab=64: the data has"):
+        checked_flags("inference", 2, "torchrun", tmp_path, {"model": "gpt2", "parts": ["zero"], "prompts": "data",
+                                                             "vocab": 64})

@@ -15,7 +15,9 @@ Each rank also builds the plain model (same weights, same dtype, whole) and runs
 and probe batch, and records per rank: the generated tokens of each and whether they match, the largest logit
 difference, the parameter elements (ZeRO) or bytes (AutoTP) it holds, which layers AutoTP replaced, and
 tokens per second (measured, never asserted: on a CPU the gathers and all-reduces cost more than they save).
---weights loads a state dict (torch.save or DeepSpeed's save_16bit_model) instead of the seeded random weights.
+--weights loads a state dict (torch.save or DeepSpeed's save_16bit_model) instead of the seeded random weights;
+--prompts data takes the prompts (and the probe batch) from the toy language helpers.programs.zero3 trains on, and
+records them and every continuation as text, decoded with that data's tokenizer.
 --model gpt2 serves a GPT-2 (what the other programs train) through ZeRO-Inference only: DeepSpeed's AutoTP
 refuses GPT-2 ("AutoTP not supported for model. Please use kernel injection"), and kernel injection needs CUDA.
 """
@@ -53,6 +55,8 @@ def parse(argv=None):
     p.add_argument("--weights", default=None, help="a state dict file (torch.save / save_16bit_model) to load")
     p.add_argument("--model", default="llama", choices=("llama", "gpt2"), help="the architecture served")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS), help="the ways it is served")
+    p.add_argument("--prompts", default="random", choices=("random", "data"),
+                   help="random token ids, or the starts of sentences of the data helpers.programs.zero3 trains on")
     return p.parse_args(argv)
 
 
@@ -71,8 +75,29 @@ def check_options(a, world_size: int) -> None:
     if a.weights is not None and not Path(a.weights).is_file():
         raise ValueError(f"weights={a.weights!r} is not a file: give a state dict saved by torch.save or "
                          f"save_16bit_model, or leave weights out for the seeded random model")
+    if a.prompts == "data" and a.vocab < prompt_data(a).vocab_size:
+        raise ValueError(f"prompts=data with vocab={a.vocab}: the data has {prompt_data(a).vocab_size} tokens; "
+                         f"use vocab >= {prompt_data(a).vocab_size}")
     if a.weights is not None:
         load_model(a)   # weights that do not fit the sizes given are refused here, naming them
+
+
+def prompt_data(a):
+    """The toy language helpers.programs.zero3 trains on (its defaults: 256 samples of 64 tokens, the same seed)."""
+    from helpers.data import SyntheticTextDataset
+    return SyntheticTextDataset("markov", n_samples=256, seq_len=64, seed=a.seed)
+
+
+def prompts(a):
+    """The prompts and the probe batch (batch x prompt_len ids each), the same on every rank, and the tokenizer
+    that reads them (None for random ids)."""
+    if a.prompts == "data":
+        data = prompt_data(a)
+        rows = torch.stack([data[i]["input_ids"][:a.prompt_len] for i in range(2 * a.batch)])   # sentences' starts
+        return rows[:a.batch], rows[a.batch:], data.tokenizer
+    generator = torch.Generator().manual_seed(a.seed)
+    ids = torch.randint(a.vocab, (a.batch, a.prompt_len), generator=generator)
+    return ids, torch.randint(a.vocab, (a.batch, a.prompt_len), generator=generator), None
 
 
 def load_model(a):
@@ -137,7 +162,7 @@ def zero_elements(model) -> dict:
             "partition_device": sorted({p.ds_tensor.device.type for p in params})}
 
 
-def zero_inference(a, precision: str, ids, plain_tokens: list) -> dict:
+def zero_inference(a, precision: str, ids, probe, plain_tokens: list, plain_logits) -> dict:
     """Part 1: generate with a ZeRO-3 engine whose partitions wait in host memory."""
     # cast first, as the plain model was: ZeRO-3 casts only the parameters, and a rotary inv_freq buffer left in
     # fp32 turns positions by other angles than the plain bf16 model does (the greedy tokens then part on a near-tie)
@@ -149,7 +174,10 @@ def zero_inference(a, precision: str, ids, plain_tokens: list) -> dict:
     device_ids = ids.to(engine.device)
     # synced_gpus: each forward gathers every layer from all ranks, so all ranks must run the same forwards
     tokens, speed = timed_generate(engine.module, device_ids, a.new_tokens, synced_gpus=True)
+    with torch.no_grad():   # the probe batch's logits, against the whole model's on this rank
+        logits = engine.module(input_ids=probe.to(engine.device)).logits.float().cpu()
     result = {"tokens": tokens, "equal": tokens == plain_tokens, "tokens_per_s": speed,
+              "max_logit_diff": (logits - plain_logits).abs().max().item(),
               **zero_elements(engine.module)}   # after generating: every gathered layer released again
     engine.destroy()
     return result
@@ -176,6 +204,15 @@ def autotp_inference(a, precision: str, ids, probe, plain_tokens: list, plain_lo
             "bytes": parameter_bytes(model), "layers": replaced_layers(model)}
 
 
+def texts(tokenizer, ids, plain_tokens: list, served: dict) -> dict | None:
+    """The prompts and each continuation as text, when the prompts are words of the data."""
+    if tokenizer is None:
+        return None
+    read = lambda rows: [tokenizer.decode(row) for row in rows]
+    return {"prompt": read(ids.tolist()), "plain": read(plain_tokens),
+            **{part: read(result["tokens"]) for part, result in served.items()}}
+
+
 def main(argv=None):
     # DeepSpeed's CPU all-reduce (shm_interface.cpp) sizes its shared-memory ring by LOCAL_SIZE, which only the
     # deepspeed launcher sets; under torchrun it is missing and AutoTP's all-reduce segfaults. Set before init.
@@ -187,9 +224,7 @@ def main(argv=None):
     check_options(a, world)
     set_seed(a.seed)
     precision = detect().precision if a.precision == "auto" else a.precision
-    generator = torch.Generator().manual_seed(a.seed)   # the same prompts on every rank
-    ids = torch.randint(a.vocab, (a.batch, a.prompt_len), generator=generator)
-    probe = torch.randint(a.vocab, (a.batch, a.prompt_len), generator=generator)
+    ids, probe, tokenizer = prompts(a)   # the same prompts on every rank
     device = deepspeed.get_accelerator().current_device_name()
     plain = load_model(a).to(device, dtype(precision))   # the reference: the whole model on every rank
     plain_tokens, plain_speed = timed_generate(plain, ids.to(plain.device), a.new_tokens)
@@ -200,12 +235,12 @@ def main(argv=None):
     del plain
     served = {}
     if "zero" in a.parts:
-        served["zero"] = zero_inference(a, precision, ids, plain_tokens)
+        served["zero"] = zero_inference(a, precision, ids, probe, plain_tokens, plain_logits)
     if "autotp" in a.parts:
         served["autotp"] = autotp_inference(a, precision, ids, probe, plain_tokens, plain_logits, plain_margins)
     write_result(a.out, {"plain": {"tokens": plain_tokens, "tokens_per_s": plain_speed, "bytes": plain_bytes},
                          **served, "logit_tolerance": logit_tolerance(precision), "model": a.model, "weights": a.weights,
-                         "prompt": ids.tolist(), "world_size": world, "tp_size": a.tp_size, "precision": precision,
+                         "prompt": ids.tolist(), "texts": texts(tokenizer, ids, plain_tokens, served), "world_size": world, "tp_size": a.tp_size, "precision": precision,
                          "device": deepspeed.get_accelerator().device_name(), "model_size": a.model_size,
                          "vocab_size": a.vocab, "new_tokens": a.new_tokens, "batch": a.batch})
     torch.distributed.barrier()
