@@ -6,8 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from helpers.errors import ConfigError, require_positive_int   # noqa: F401 (ConfigError: public here too)
-from helpers.precision import PRECISIONS, gpu_has_bf16, precision_block   # noqa: F401 (PRECISIONS: public here too)
+from helpers.errors import ConfigError, require_positive_int
+from helpers.precision import gpu_has_bf16, precision_block
 from helpers.schema import check_blocks, check_optimizer, check_scheduler, check_top_level, check_with_deepspeed_config
 
 ZERO_STAGES = (0, 1, 2, 3)

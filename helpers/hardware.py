@@ -2,7 +2,6 @@
 the device matrix and the Colab estimate; `runtime_for` gives the `Runtime` detect() returns on one. No torch."""
 from __future__ import annotations
 
-from .precision import gpu_has_bf16   # noqa: F401 (the rule's home is helpers.precision; public here too)
 
 # Memory as sold, in 10^9 bytes (formulas.GB; a card's "GB" are GiB, 7% more, which with what the driver
 # reserves leaves a cautious margin). host_gb: RAM of the usual machine around the GPU where there is one

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from helpers.errors import require_positive_int
-from helpers.memory.formulas import ELEMENT_BYTES
+from helpers.precision import ELEMENT_BYTES
 from helpers.model import MODEL_SIZES, gpt2_param_count
 
 GPT2_MLP_RATIO = 4   # GPT-2's MLP is h -> 4h -> h

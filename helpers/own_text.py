@@ -15,7 +15,7 @@ import datasets
 import numpy as np
 import torch
 
-from helpers.errors import DataError   # noqa: F401 (public here too)
+from helpers.errors import DataError
 from helpers.data import train_tokenizer
 
 WORD_LEVEL = "word-level"   # the --tokenizer that trains the project's word-level tokenizer on your text

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from helpers.comms import dtype_rows
-from helpers.config import ConfigError, build_config, validate
+from helpers.config import build_config, validate
+from helpers.errors import ConfigError
 from helpers.launch import per_run, run_program
 from helpers.programs import comm_dtype
 

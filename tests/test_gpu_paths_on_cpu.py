@@ -113,7 +113,8 @@ def test_a_gpus_fp16_override_does_not_reach_the_cpu_ranks_beside_it(monkeypatch
 
 
 def test_bf16_is_refused_below_ampere_even_when_forced(monkeypatch):
-    from helpers.config import ConfigError, validate
+    from helpers.config import validate
+    from helpers.errors import ConfigError
     from helpers.precision import PRECISION_ENV, forced_precision
     t4, a100 = (7, 5), (8, 0)
     bf16 = build_config(precision="bf16")

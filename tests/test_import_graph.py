@@ -76,3 +76,51 @@ def test_every_helpers_module_imports_in_a_fresh_interpreter():
     script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     done = subprocess.run([sys.executable, "-c", script, *names], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def defined_names(path: Path) -> set[str]:
+    """The names a module defines itself (def, class, assignment); the names it imports do not count."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return found
+
+
+def code_files():
+    """(where, source) for every Python file and every notebook code cell that may import helpers."""
+    import nbformat
+    for path in [*HELPERS.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+        yield str(path.relative_to(ROOT)), path.read_text()
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type == "code":   # IPython magics and shell lines are not Python: `pass` in their place
+                yield f"{path.name} cell {i}", "\n".join(
+                    line[:len(line) - len(line.lstrip())] + "pass" if line.lstrip().startswith(("%", "!")) else line
+                    for line in cell.source.splitlines())
+
+
+def absolute(node: ast.ImportFrom, where: str) -> str:
+    """The module an import names, a relative one (`from ..precision import`) resolved against its file."""
+    if not node.level:
+        return node.module
+    name = module_name(ROOT / where)
+    package = name if where.endswith("__init__.py") else name.rpartition(".")[0]
+    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+    return ".".join(filter(None, (*parts, node.module)))
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it():
+    """One import path per name: `from helpers.config import ConfigError` would work while ConfigError lives in
+    helpers.errors (config imports it), and a reader would then look for it in the wrong file."""
+    defined = {name: defined_names(path) for name, path in MODULES.items()}
+    wrong = []
+    for where, source in code_files():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (module := absolute(node, where)) in MODULES:
+                wrong += [f"{where}: from {module} import {a.name}" for a in node.names
+                          if a.name not in defined[module] and f"{module}.{a.name}" not in MODULES]
+    assert not wrong, "import each name from the module that defines it:\n" + "\n".join(wrong)

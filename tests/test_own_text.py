@@ -7,7 +7,8 @@ import torch
 
 from helpers import REPO_ROOT, presets
 from helpers.checkpoints import CheckpointMismatchError
-from helpers.own_text import DataError, load_own_text
+from helpers.errors import DataError
+from helpers.own_text import load_own_text
 from helpers.programs import train as program
 from tests.trainers import make_trainer
 

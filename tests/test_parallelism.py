@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import sequence_parallel
-from helpers.config import ConfigError, build_config, validate
+from helpers.config import build_config, validate
+from helpers.errors import ConfigError
 from helpers.launch import checked_flags, command_line
 from helpers.model import MODEL_SIZES, build_llama, llama_param_count
 from helpers.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..errors import require_positive_int
-from ..precision import ELEMENT_BYTES, check_name   # noqa: F401 (ELEMENT_BYTES: public here too, notebook 05 reads it)
+from ..precision import ELEMENT_BYTES, check_name
 
 GB = 1e9   # the paper's GB (its 7.5B-parameter example: 120, 31.4, 16.6, 1.9 GB on 64 GPUs)
 VOCAB = 50257   # GPT-2's BPE vocabulary, which GPT-3 kept

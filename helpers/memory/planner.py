@@ -4,10 +4,11 @@ aid, not a promise: it leaves out communication buckets and fragmentation beyond
 """
 from __future__ import annotations
 
-from ..config import ZERO_STAGES, build_config, require_positive_int, validate
+from ..config import ZERO_STAGES, build_config, validate
+from ..errors import require_positive_int
 from ..hardware import GPUS
-from ..precision import check_name, gpu_has_bf16
-from .formulas import ELEMENT_BYTES, GB, activation_bytes, bytes_per_param, models, zero_model_states
+from ..precision import ELEMENT_BYTES, check_name, gpu_has_bf16
+from .formulas import GB, activation_bytes, bytes_per_param, models, zero_model_states
 
 # Fixed bytes a GPU loses before the first tensor, in GB: the CUDA context (~0.3-0.5 GB with lazy
 # module loading), cuBLAS/NCCL workspaces, and allocator fragmentation. 1 GB is a round, cautious figure.

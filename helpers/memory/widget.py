@@ -12,7 +12,7 @@ import json
 import ipywidgets as widgets
 
 from .. import plots
-from ..config import PRECISIONS
+from ..precision import PRECISIONS
 from . import planner
 from .formulas import models
 

@@ -20,7 +20,8 @@ import traceback
 import torch
 
 from helpers import comms
-from helpers.config import ConfigError, build_config
+from helpers.config import build_config
+from helpers.errors import ConfigError
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
 from helpers.launch import save_config, write_result
