@@ -1,5 +1,5 @@
-"""Notebook 08's figures (helpers/zero3_figures.py): each draws every row it is given and saves a PNG."""
-from helpers.zero3_figures import knob_tradeoff, memory_tiers
+"""Notebook 08's figures (in helpers/plots.py): each draws every row it is given and saves a PNG."""
+from helpers.plots import knob_tradeoff, memory_tiers
 
 
 def test_the_knob_figure_labels_every_setting_once_sharing_a_point_where_they_coincide(tmp_path):
