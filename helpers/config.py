@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from helpers.errors import ConfigError, require_positive_int
-from helpers.precision import gpu_has_bf16, precision_block
+from helpers.precision import precision_block, trainable_precisions
 from helpers.schema import check_blocks, check_optimizer, check_scheduler, check_top_level, check_with_deepspeed_config
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -183,19 +183,17 @@ def check_precision(config: dict, device: str, capability: tuple | None = None) 
     bf16 = config.get("bf16", {}).get("enabled", False)
     if fp16 and bf16:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: pick one precision")
-    # DeepSpeed itself refuses fp16 only on CPUs without oneDNN fp16 kernels (engine._do_sanity_check asks
-    # accelerator/cpu_accelerator.py's is_fp16_supported, i.e. torch.ops.mkldnn._is_mkldnn_fp16_supported():
-    # AVX512-FP16 / AMX-FP16). The tutorial trains fp16 on CUDA GPUs only: on a CPU bf16 has fp32's range and
-    # needs no loss scaling, and the fp16 path with loss scaling on a CPU is run by none of its tests.
-    if fp16 and device == "cpu":
+    asked = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    if asked in trainable_precisions(device, capability):
+        return
+    if device == "cpu":   # fp16: DeepSpeed takes it only where oneDNN has fp16 kernels (trainable_precisions says why not here)
         raise ConfigError("fp16.enabled is true but this device is a CPU: this tutorial trains fp16 on CUDA GPUs "
                           "only (DeepSpeed takes it only on CPUs with AVX512-FP16/AMX-FP16): use precision 'bf16' "
                           "or 'fp32'")
-    # DeepSpeed accepts it (torch emulates bf16 below Ampere), and every step then runs many times slower.
-    if bf16 and device == "cuda" and capability is not None and not gpu_has_bf16(capability):
-        raise ConfigError(f"bf16.enabled is true but this GPU (sm_{capability[0]}{capability[1]}) has no bf16 tensor "
-                          "cores, where torch emulates bf16 many times slower: use fp16 with dynamic loss scaling "
-                          "(precision 'fp16'), or fp32")
+    # bf16 below Ampere: DeepSpeed accepts it (torch emulates bf16), and every step then runs many times slower.
+    raise ConfigError(f"bf16.enabled is true but this GPU (sm_{capability[0]}{capability[1]}) has no bf16 tensor "
+                      "cores, where torch emulates bf16 many times slower: use fp16 with dynamic loss scaling "
+                      "(precision 'fp16'), or fp32")
 
 
 def check_deepcompile(config: dict, device: str) -> None:

@@ -26,7 +26,7 @@ import psutil
 from helpers import REPO_ROOT, with_repo_on_path
 from helpers.config import differing_lines, save_json
 from helpers.errors import InputError, require_positive_int
-from helpers.precision import CPU_BF16_FLAGS, PRECISION_ENV, cpu_flags, cpu_matmul_speeds
+from helpers.precision import CPU_BF16_FLAGS, PRECISION_ENV, cpu_flags, cpu_matmul_speeds, trainable_precisions
 from helpers.runtime import free_port, process_rank
 
 PROGRAMS = REPO_ROOT / "helpers" / "programs"
@@ -326,8 +326,8 @@ def child_env(n_ranks: int) -> dict[str, str]:
         # One GPU cannot host two NCCL ranks (e.g. Colab's single T4): run every rank on the CPU
         # with gloo instead, where ZeRO, pipeline and MoE partitioning still really happen.
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-        if env.get(PRECISION_ENV, "").strip().lower() == "fp16":   # a GPU's choice: the CPU ranks take their own rule's
-            del env[PRECISION_ENV]
+        if env.get(PRECISION_ENV, "").strip().lower() not in ("", "auto", *trainable_precisions("cpu")):
+            del env[PRECISION_ENV]   # fp16, a GPU's choice: the CPU ranks take their own rule's
     return env
 
 

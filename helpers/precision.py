@@ -23,6 +23,16 @@ def gpu_has_bf16(capability: tuple) -> bool:
     return tuple(capability) >= GPU_BF16_CAPABILITY
 
 
+def trainable_precisions(device: str, capability: tuple | None = None) -> tuple[str, ...]:
+    """The precisions this tutorial trains in on `device` ("cuda" or "cpu"; a GPU's compute `capability`, when
+    known, decides bf16), the one home of that rule: fp32 everywhere; bf16 on a CPU and on a GPU with bf16
+    tensor cores; fp16 on CUDA GPUs only. DeepSpeed 0.19.8 also takes fp16 on a CPU with oneDNN fp16 kernels
+    (accelerator/cpu_accelerator.py is_fp16_supported: AVX512-FP16/AMX-FP16), a path none of the tests runs;
+    on a CPU bf16 has fp32's range and needs no loss scaling."""
+    bf16 = device != "cuda" or capability is None or gpu_has_bf16(capability)
+    return ("fp32",) + (("bf16",) if bf16 else ()) + (("fp16",) if device == "cuda" else ())
+
+
 def check_name(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is not one of {tuple(PRECISIONS)}")
@@ -105,13 +115,13 @@ def forced_precision(device: str, capability: tuple | None = None) -> str | None
     value = os.environ.get(PRECISION_ENV, "").strip().lower()
     if value in ("", "auto"):
         return None
-    allowed = ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
+    allowed = trainable_precisions(device, capability)
+    if value == "bf16" and device == "cuda" and value not in allowed:
+        raise ValueError(f"{PRECISION_ENV}=bf16 on a GPU of sm_{capability[0]}{capability[1]}, which has no bf16 "
+                         "tensor cores: use fp16 (with dynamic loss scaling) or fp32, or unset it")
     if value not in allowed:
         raise ValueError(f"{PRECISION_ENV}={value!r} is not one of {allowed} (or 'auto') on this {device}: "
                          f"unset it to let the rule choose")
-    if value == "bf16" and capability is not None and not gpu_has_bf16(capability):
-        raise ValueError(f"{PRECISION_ENV}=bf16 on a GPU of sm_{capability[0]}{capability[1]}, which has no bf16 "
-                         "tensor cores: use fp16 (with dynamic loss scaling) or fp32, or unset it")
     return value
 
 

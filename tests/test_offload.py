@@ -5,9 +5,7 @@ import pytest
 from helpers.data import SyntheticTextDataset
 from helpers.memory import offload
 from helpers.memory.planner import model_state_bytes
-from helpers.memory.sixteen_bit import available_precisions
-from helpers.precision import ELEMENT_BYTES, loss_tolerance
-from helpers.runtime import Runtime
+from helpers.precision import ELEMENT_BYTES, loss_tolerance, trainable_precisions
 
 pytestmark = pytest.mark.precision   # follows the precision rule: run again with the other one forced
 
@@ -54,6 +52,5 @@ def test_rows_report_ratios_to_the_first_configuration():
 
 @pytest.mark.parametrize("device, capability, expected", [
     ("cpu", None, ["fp32", "bf16"]), ("cuda", (7, 5), ["fp32", "fp16"]), ("cuda", (8, 0), ["fp32", "bf16", "fp16"])])
-def test_available_precisions(device, capability, expected):
-    runtime = Runtime(device, "x", capability, 16.0, "fp32", "")
-    assert available_precisions(runtime) == expected
+def test_trainable_precisions(device, capability, expected):
+    assert list(trainable_precisions(device, capability)) == expected

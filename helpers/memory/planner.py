@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..config import ZERO_STAGES, build_config, validate
 from ..errors import require_positive_int
 from ..hardware import GPUS
-from ..precision import ELEMENT_BYTES, check_name, gpu_has_bf16
+from ..precision import ELEMENT_BYTES, check_name, gpu_has_bf16, trainable_precisions
 from .formulas import GB, activation_bytes, bytes_per_param, models, zero_model_states
 
 # Fixed bytes a GPU loses before the first tensor, in GB: the CUDA context (~0.3-0.5 GB with lazy
@@ -131,7 +131,7 @@ def check(model: str, gpu: str, n_gpus_per_node: int, n_nodes: int, stage: int, 
                              "offload_optimizer moves the optimizer partition, and stage 0 partitions nothing")
         raise ValueError(f"offload='optimizer+params' needs ZeRO stage 3 (stage is {stage}): only stage 3 "
                          "partitions the parameters that offload_param moves; use stage=3 or offload='optimizer'")
-    if check_name(precision) == "bf16" and not gpu_has_bf16(GPUS[gpu]["capability"]):
+    if check_name(precision) not in trainable_precisions("cuda", GPUS[gpu]["capability"]):   # bf16 below Ampere
         raise ValueError(f"precision='bf16' on the {gpu}: {GPUS[gpu]['arch']} GPUs have no bf16 tensor cores "
                          "(they arrived with Ampere); use precision='fp16' (the same memory) or a newer GPU")
     if not isinstance(checkpointing, bool):

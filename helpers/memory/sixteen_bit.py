@@ -5,20 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median_high
 
-from ..precision import gpu_has_bf16
 from ..programs.zero_stages import run_here
 from .activations import measure_step_memory
-
-
-def available_precisions(runtime) -> list[str]:
-    """fp32 always; bf16 where DeepSpeed runs it (CPU, or a GPU with compute capability >= 8);
-    fp16 on any CUDA GPU (DeepSpeed refuses it on a CPU)."""
-    out = ["fp32"]
-    if not runtime.is_gpu or gpu_has_bf16(runtime.capability):
-        out.append("bf16")
-    if runtime.is_gpu:
-        out.append("fp16")
-    return out
 
 
 MICRO_BATCH, GRAD_ACCUM = 4, 2
