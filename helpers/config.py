@@ -229,7 +229,7 @@ def check_rates(config: dict) -> None:
 
 
 def save_json(config: dict, path: str | Path) -> Path:
-    """Write the config as JSON for `deepspeed --deepspeed_config` or HF `TrainingArguments(deepspeed=)`."""
+    """Write the config as JSON: what a script's `--deepspeed_config` flag (deepspeed.add_config_arguments) or HF `TrainingArguments(deepspeed=)` reads."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")

@@ -57,7 +57,7 @@ CONFIGS = "configs"   # OUT_DIR/configs/<n>_<label>.json: each run's DeepSpeed c
 
 def save_config(out_dir, label: str, config: dict) -> None:
     """Inside a rank, just before deepspeed.initialize: rank 0 saves the run's DeepSpeed config as
-    OUT_DIR/configs/<n>_<label>.json (a file `deepspeed --deepspeed_config` takes); run_program prints how they
+    OUT_DIR/configs/<n>_<label>.json (a file a script's `--deepspeed_config` flag takes); run_program prints how they
     differ. The number, not the file's time, keeps the run order: runs can save within one clock tick."""
     if process_rank() == 0:
         folder = Path(out_dir) / CONFIGS
