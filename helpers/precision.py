@@ -213,3 +213,17 @@ def matmul_tflops(element_type, device: str, n: int = 1024, seconds: float = 0.5
         reps *= 2
         elapsed = run(reps)
     return 2 * n**3 * reps / elapsed / 1e12
+
+
+# Every rank program's --precision flag, and how its value becomes a precision (helpers.runtime.resolve_precision:
+# "auto" is the one this machine's rule picks, which helpers.runtime.detect() knows).
+AUTO = "auto"
+
+
+def add_precision_flag(parser, default: str = AUTO, help: str | None = None) -> None:
+    """The one --precision option of the rank programs: "auto" (the rule's pick, the default) or a precision's
+    name; helpers.runtime.resolve_precision turns the parsed value into the precision to train in."""
+    if default != AUTO:
+        check_name(default)
+    parser.add_argument("--precision", default=default, choices=(AUTO, *PRECISIONS),
+                        help=help or f"the training precision; {AUTO}: the one this machine's rule picks")

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from . import REPO_ROOT
-from .precision import (CPU_BF16_FLAGS, PRECISION_ENV, choose_precision, cpu_flags, cpu_matmul_speeds, cpuinfo_field,
-                        forced_precision)
+from .precision import (AUTO, CPU_BF16_FLAGS, PRECISION_ENV, check_name, choose_precision, cpu_flags, cpu_matmul_speeds,
+                        cpuinfo_field, forced_precision)
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,15 @@ def detect() -> Runtime:
     name = cpuinfo_field("model name") or platform.machine()
     return Runtime("cpu", f"{name} ({os.cpu_count()} cores)", None,
                    psutil.virtual_memory().total / 2**30, precision, reason, speeds)
+
+
+def resolve_precision(value: str | None, runtime: Runtime | None = None) -> str:
+    """The precision a program's --precision value (helpers.precision.add_precision_flag) trains in: "auto" or
+    None is the one this machine's rule picks (`runtime`'s, when the caller has detected it already, else
+    detect()'s); any other value is that precision's name, checked."""
+    if value in (None, AUTO):
+        return (runtime or detect()).precision
+    return check_name(value)
 
 
 def free_port() -> int:
@@ -147,6 +156,20 @@ def quiet_deepspeed(level: str = "WARNING") -> None:
         lr_filter = logging.Filter("lr-before-start")
         lr_filter.filter = lambda record: "before it has started" not in record.getMessage()
         logger.addFilter(lr_filter)
+
+
+@contextlib.contextmanager
+def rank_process():
+    """One rank program's start-up and shutdown, around its work: DeepSpeed's logs quieted, the process in its
+    group (under a launcher it joins the launcher's; run with plain python it is a 1-rank job), the world size
+    yielded. After the block every rank waits for the others, then the group ends while Python is alive.
+    An exception inside the block goes on up as it is, the group left alone: no barrier, which ranks that
+    failed elsewhere would never reach (a hang); the launcher ends the ranks."""
+    quiet_deepspeed()
+    init_single_process()   # under a launcher: joins the launcher's group
+    yield torch.distributed.get_world_size()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 def environment_report(runtime: Runtime) -> dict[str, str]:

@@ -27,8 +27,8 @@ from helpers.errors import integer, number
 from helpers.launch import save_config, write_result
 from helpers.memory.measured import measurement_zero_extra
 from helpers.model import MODEL_SIZES, gpt2_param_count
-from helpers.precision import PRECISIONS
-from helpers.runtime import detect, world_size
+from helpers.precision import PRECISIONS, add_precision_flag
+from helpers.runtime import detect, resolve_precision, world_size
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
 COMM_DTYPES = tuple(PRECISIONS)
@@ -47,7 +47,7 @@ def parse(argv=None):
     p.add_argument("--dtypes", nargs="+", choices=COMM_DTYPES, default=["fp32", "bf16"],
                    help="communication_data_type values, run one after another")
     p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (all of 0-3 honour the setting)")
-    p.add_argument("--precision", default="fp32", help="training precision; fp32 so the dtypes differ")
+    add_precision_flag(p, default="fp32", help="training precision; fp32 so the dtypes differ")
     p.add_argument("--steps", type=integer(1), default=24)
     p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
     p.add_argument("--seq-len", type=integer(2), default=64)
@@ -70,8 +70,9 @@ def gradient_collectives(logged: dict) -> dict:
 def run_config(a, stage: int, n_params: int, zero_extra: dict | None = None, extra: dict | None = None) -> dict:
     """The DeepSpeed config every run of this experiment shares (batch, schedule, small ZeRO buckets), plus
     what one run changes: `zero_extra` in the zero_optimization block, `extra` at the top level."""
-    return build_config(zero_stage=stage, precision=a.precision, micro_batch=a.micro_batch, grad_accum=a.grad_accum,
-                        lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, device=detect().device,
+    rt = detect()
+    return build_config(zero_stage=stage, precision=resolve_precision(a.precision, rt), micro_batch=a.micro_batch,
+                        grad_accum=a.grad_accum, lr=a.lr, warmup_steps=2, total_steps=a.steps + 1, device=rt.device,
                         world_size=world_size(), zero_extra=measurement_zero_extra(n_params) | (zero_extra or {}),
                         extra={"comms_logger": comms.LOGGER_BLOCK, **(extra or {})})
 
@@ -117,6 +118,7 @@ def main(argv=None):
         write_result(a.out, zeropp_trial(a, data, n_params))
     else:
         write_result(a.out, {"runs": [run_dtype(a, d, data, n_params) for d in a.dtypes]})
+    # Not runtime.rank_process: the trainer joins the group after validating, and a refused ZeRO++ trial makes none.
     if torch.distributed.is_initialized():   # not when the validator refused before any engine
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)

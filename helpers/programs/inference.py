@@ -33,9 +33,9 @@ from transformers import set_seed
 from helpers.errors import integer
 from helpers.launch import save_config, write_result
 from helpers.model import MODEL_SIZES, build_llama, build_model
-from helpers.precision import PRECISIONS, dtype, logit_tolerance, precision_block
+from helpers.precision import add_precision_flag, dtype, logit_tolerance, precision_block
 from helpers.programs.tensor_parallel import replaced_layers   # what AutoTP replaced, as notebook 07 showed it
-from helpers.runtime import detect, init_single_process, quiet_deepspeed
+from helpers.runtime import rank_process, resolve_precision
 
 
 PARTS = ("zero", "autotp")   # ZeRO-Inference, AutoTP: in this order
@@ -50,7 +50,7 @@ def parse(argv=None):
     p.add_argument("--prompt-len", type=integer(1), default=16)
     p.add_argument("--new-tokens", type=integer(1), default=16, help="tokens each prompt is continued by")
     p.add_argument("--batch", type=integer(1), default=2, help="prompts generated together")
-    p.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS))
+    add_precision_flag(p)
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--weights", default=None, help="a state dict file (torch.save / save_16bit_model) to load")
     p.add_argument("--model", default="llama", choices=("llama", "gpt2"), help="the architecture served")
@@ -218,33 +218,30 @@ def main(argv=None):
     # deepspeed launcher sets; under torchrun it is missing and AutoTP's all-reduce segfaults. Set before init.
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     a = parse(argv)
-    quiet_deepspeed()
-    init_single_process()   # under a launcher: joins the launcher's group
-    world = torch.distributed.get_world_size()
-    check_options(a, world)
-    set_seed(a.seed)
-    precision = detect().precision if a.precision == "auto" else a.precision
-    ids, probe, tokenizer = prompts(a)   # the same prompts on every rank
-    device = deepspeed.get_accelerator().current_device_name()
-    plain = load_model(a).to(device, dtype(precision))   # the reference: the whole model on every rank
-    plain_tokens, plain_speed = timed_generate(plain, ids.to(plain.device), a.new_tokens)
-    with torch.no_grad():
-        plain_logits = plain(input_ids=probe.to(plain.device)).logits.float().cpu()
-    _, plain_margins = teacher_forced(plain, ids.to(plain.device), plain_tokens)
-    plain_bytes = parameter_bytes(plain)
-    del plain
-    served = {}
-    if "zero" in a.parts:
-        served["zero"] = zero_inference(a, precision, ids, probe, plain_tokens, plain_logits)
-    if "autotp" in a.parts:
-        served["autotp"] = autotp_inference(a, precision, ids, probe, plain_tokens, plain_logits, plain_margins)
-    write_result(a.out, {"plain": {"tokens": plain_tokens, "tokens_per_s": plain_speed, "bytes": plain_bytes},
-                         **served, "logit_tolerance": logit_tolerance(precision), "model": a.model, "weights": a.weights,
-                         "prompt": ids.tolist(), "texts": texts(tokenizer, ids, plain_tokens, served), "world_size": world, "tp_size": a.tp_size, "precision": precision,
-                         "device": deepspeed.get_accelerator().device_name(), "model_size": a.model_size,
-                         "vocab_size": a.vocab, "new_tokens": a.new_tokens, "batch": a.batch})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        set_seed(a.seed)
+        precision = resolve_precision(a.precision)
+        ids, probe, tokenizer = prompts(a)   # the same prompts on every rank
+        device = deepspeed.get_accelerator().current_device_name()
+        plain = load_model(a).to(device, dtype(precision))   # the reference: the whole model on every rank
+        plain_tokens, plain_speed = timed_generate(plain, ids.to(plain.device), a.new_tokens)
+        with torch.no_grad():
+            plain_logits = plain(input_ids=probe.to(plain.device)).logits.float().cpu()
+        _, plain_margins = teacher_forced(plain, ids.to(plain.device), plain_tokens)
+        plain_bytes = parameter_bytes(plain)
+        del plain
+        served = {}
+        if "zero" in a.parts:
+            served["zero"] = zero_inference(a, precision, ids, probe, plain_tokens, plain_logits)
+        if "autotp" in a.parts:
+            served["autotp"] = autotp_inference(a, precision, ids, probe, plain_tokens, plain_logits, plain_margins)
+        write_result(a.out, {"plain": {"tokens": plain_tokens, "tokens_per_s": plain_speed, "bytes": plain_bytes},
+                             **served, "logit_tolerance": logit_tolerance(precision), "model": a.model,
+                             "weights": a.weights, "prompt": ids.tolist(), "texts": texts(tokenizer, ids, plain_tokens, served),
+                             "world_size": world, "tp_size": a.tp_size, "precision": precision,
+                             "device": deepspeed.get_accelerator().device_name(), "model_size": a.model_size,
+                             "vocab_size": a.vocab, "new_tokens": a.new_tokens, "batch": a.batch})
 
 
 if __name__ == "__main__":

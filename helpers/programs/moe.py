@@ -24,7 +24,8 @@ from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
 from helpers.launch import save_config, write_result
-from helpers.runtime import detect, init_single_process, quiet_deepspeed
+from helpers.precision import add_precision_flag
+from helpers.runtime import detect, rank_process, resolve_precision
 from helpers.model import MODEL_SIZES, build_model
 
 
@@ -42,7 +43,7 @@ def parse(argv=None):
     p.add_argument("--lr", type=number(), default=3e-3)
     p.add_argument("--aux-loss-coef", type=number(strict=False), default=0.01)
     p.add_argument("--capacity-factor", type=number(), default=1.0)
-    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    add_precision_flag(p)
     p.add_argument("--seed", type=integer(0), default=0)
     return p.parse_args(argv)
 
@@ -241,31 +242,27 @@ def train_side_by_side(models: dict, a, data, precision: str, world: int) -> dic
 
 def main(argv=None):
     a = parse(argv)
-    quiet_deepspeed()
-    init_single_process()   # under a launcher: joins the launcher's group
-    world = torch.distributed.get_world_size()
-    check_options(a, world)
-    set_seed(a.seed)
-    precision = detect().precision if a.precision == "auto" else a.precision
-    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
-    models = {"moe": MoEGPT(data.vocab_size, a.seq_len, a.model_size, a.num_experts, a.k, a.ep_size,
-                            a.capacity_factor, aux_loss_coef=a.aux_loss_coef, seed=a.seed),
-              "dense": dense_twin(data.vocab_size, a.seq_len, a.model_size, a.k, seed=a.seed)}
-    runs = train_side_by_side(models, a, data, precision, world)
-    engine, result = runs["moe"]
-    result.update(held=moe.count_params(engine.module, a.k), **held_experts(engine.module),
-                  formula=moe.moe_param_counts(data.vocab_size, a.seq_len, *MODEL_SIZES[a.model_size][:2], a.num_experts,
-                                               a.k, a.ep_size))
-    runs["dense"][1]["params"] = sum(p.numel() for p in runs["dense"][0].module.parameters())
-    settings = {k: v for k, v in vars(a).items() if k != "out"}
-    write_result(a.out, {"settings": {**settings, "world_size": world, "precision": precision,
-                                      "vocab_size": data.vocab_size, "floor_nats": data.floor_nats,
-                                      "tokens_per_rank_step": a.micro_batch * a.seq_len},
-                         **{name: record for name, (_, record) in runs.items()}})
-    for engine, _ in runs.values():
-        engine.destroy()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        set_seed(a.seed)
+        precision = resolve_precision(a.precision)
+        data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+        models = {"moe": MoEGPT(data.vocab_size, a.seq_len, a.model_size, a.num_experts, a.k, a.ep_size,
+                                a.capacity_factor, aux_loss_coef=a.aux_loss_coef, seed=a.seed),
+                  "dense": dense_twin(data.vocab_size, a.seq_len, a.model_size, a.k, seed=a.seed)}
+        runs = train_side_by_side(models, a, data, precision, world)
+        engine, result = runs["moe"]
+        result.update(held=moe.count_params(engine.module, a.k), **held_experts(engine.module),
+                      formula=moe.moe_param_counts(data.vocab_size, a.seq_len, *MODEL_SIZES[a.model_size][:2],
+                                                   a.num_experts, a.k, a.ep_size))
+        runs["dense"][1]["params"] = sum(p.numel() for p in runs["dense"][0].module.parameters())
+        settings = {k: v for k, v in vars(a).items() if k != "out"}
+        write_result(a.out, {"settings": {**settings, "world_size": world, "precision": precision,
+                                          "vocab_size": data.vocab_size, "floor_nats": data.floor_nats,
+                                          "tokens_per_rank_step": a.micro_batch * a.seq_len},
+                             **{name: record for name, (_, record) in runs.items()}})
+        for engine, _ in runs.values():
+            engine.destroy()
 
 
 if __name__ == "__main__":

@@ -258,6 +258,7 @@ def main(argv=None):
     # from then on every backward warns that broadcast_ has no autograd kernel. The gradient reaching
     # the weight is unaffected (the loss matches the unsplit run to the bit), so keep the logs readable.
     warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+    # Not runtime.rank_process: its init_single_process would also probe DeepSpeed's ops and hide init's stdout (the logs).
     deepspeed.init_distributed(verbose=False)   # rank and rendezvous from the launcher's environment
     check_options(a, torch.distributed.get_world_size())
     # Enough samples that no step of the largest m reuses one.

@@ -31,8 +31,8 @@ from helpers.errors import integer, number
 from helpers.launch import save_config, write_result
 from helpers.memory.measured import held_bytes, measurement_zero_extra, saved_for_backward, storage_bytes
 from helpers.model import MODEL_SIZES, build_llama, llama_param_count
-from helpers.precision import PRECISIONS
-from helpers.runtime import detect, init_single_process, quiet_deepspeed
+from helpers.precision import add_precision_flag
+from helpers.runtime import detect, rank_process, resolve_precision
 
 
 def parse(argv=None):
@@ -46,7 +46,7 @@ def parse(argv=None):
     p.add_argument("--micro-batch", type=integer(1), default=1, help="sequences per replica per step")
     p.add_argument("--lengths", type=integer(2), nargs="*", default=[], help="sequence lengths to count activations at")
     p.add_argument("--lr", type=number(), default=3e-3)
-    p.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS))
+    add_precision_flag(p)
     p.add_argument("--seed", type=integer(0), default=0)
     return p.parse_args(argv)
 
@@ -204,28 +204,24 @@ def run_stage(a, stage: int, data, precision: str, mpu) -> dict:
 
 def main(argv=None):
     a = parse(argv)
-    quiet_deepspeed()
-    init_single_process()   # under a launcher: joins the launcher's group
-    world = torch.distributed.get_world_size()
-    check_options(a, world)
-    set_seed(a.seed)
-    precision = detect().precision if a.precision == "auto" else a.precision
-    data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
-    attention = None
-    # Ulysses for HF: swap the model's SDPA attention for Ulysses' (every model built from here on) and make the
-    # sequence-parallel groups; the `mpu` it returns hands them to deepspeed.initialize. Once per process.
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=build_llama(data.vocab_size, a.seq_len, a.model_size), core_attn_implementation="sdpa",
-        sequence_parallel_size=a.sp_size, micro_batch_size=a.micro_batch, seq_length_is_variable=True)
-    if a.sp_size > 1:
-        attention = attention_check(a, mpu.get_sequence_parallel_group())
-    runs = [run_stage(a, stage, data, precision, mpu) for stage in a.stages]
-    write_result(a.out, {"runs": runs, "attention_check": attention, "world_size": world, "sp_size": a.sp_size,
-                         "device": deepspeed.get_accelerator().device_name(),
-                         "precision": precision, "vocab_size": data.vocab_size, "seq_len": a.seq_len,
-                         "micro_batch": a.micro_batch, "model_size": a.model_size, "lengths": a.lengths})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        set_seed(a.seed)
+        precision = resolve_precision(a.precision)
+        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
+        attention = None
+        # Ulysses for HF: swap the model's SDPA attention for Ulysses' (every model built from here on) and make the
+        # sequence-parallel groups; the `mpu` it returns hands them to deepspeed.initialize. Once per process.
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=build_llama(data.vocab_size, a.seq_len, a.model_size), core_attn_implementation="sdpa",
+            sequence_parallel_size=a.sp_size, micro_batch_size=a.micro_batch, seq_length_is_variable=True)
+        if a.sp_size > 1:
+            attention = attention_check(a, mpu.get_sequence_parallel_group())
+        runs = [run_stage(a, stage, data, precision, mpu) for stage in a.stages]
+        write_result(a.out, {"runs": runs, "attention_check": attention, "world_size": world, "sp_size": a.sp_size,
+                             "device": deepspeed.get_accelerator().device_name(),
+                             "precision": precision, "vocab_size": data.vocab_size, "seq_len": a.seq_len,
+                             "micro_batch": a.micro_batch, "model_size": a.model_size, "lengths": a.lengths})
 
 
 if __name__ == "__main__":

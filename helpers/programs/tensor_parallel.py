@@ -34,8 +34,8 @@ from helpers.errors import integer, number
 from helpers.launch import save_config, write_result
 from helpers.memory.measured import held_bytes, measurement_zero_extra
 from helpers.model import MODEL_SIZES, build_llama, llama_param_count
-from helpers.precision import PRECISIONS
-from helpers.runtime import detect, init_single_process, quiet_deepspeed
+from helpers.precision import add_precision_flag
+from helpers.runtime import detect, rank_process, resolve_precision
 
 
 def parse(argv=None):
@@ -48,7 +48,7 @@ def parse(argv=None):
     p.add_argument("--seq-len", type=integer(2), default=32)
     p.add_argument("--micro-batch", type=integer(1), default=4, help="samples per replica per step")
     p.add_argument("--lr", type=number(), default=3e-3)
-    p.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS))
+    add_precision_flag(p)
     p.add_argument("--seed", type=integer(0), default=0)
     return p.parse_args(argv)
 
@@ -173,20 +173,16 @@ def run_stage(a, stage: int, data, precision: str, replicas: int) -> dict:
 
 def main(argv=None):
     a = parse(argv)
-    quiet_deepspeed()
-    init_single_process()   # under a launcher: joins the launcher's group
-    world = torch.distributed.get_world_size()
-    check_options(a, world)
-    set_seed(a.seed)
-    precision = detect().precision if a.precision == "auto" else a.precision
-    data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
-    runs = [run_stage(a, stage, data, precision, world // a.tp_size) for stage in a.stages]
-    write_result(a.out, {"runs": runs, "world_size": world, "tp_size": a.tp_size, "precision": precision,
-                         "device": deepspeed.get_accelerator().device_name(),
-                         "vocab_size": data.vocab_size, "seq_len": a.seq_len, "micro_batch": a.micro_batch,
-                         "model_size": a.model_size})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        set_seed(a.seed)
+        precision = resolve_precision(a.precision)
+        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
+        runs = [run_stage(a, stage, data, precision, world // a.tp_size) for stage in a.stages]
+        write_result(a.out, {"runs": runs, "world_size": world, "tp_size": a.tp_size, "precision": precision,
+                             "device": deepspeed.get_accelerator().device_name(),
+                             "vocab_size": data.vocab_size, "seq_len": a.seq_len, "micro_batch": a.micro_batch,
+                             "model_size": a.model_size})
 
 
 if __name__ == "__main__":

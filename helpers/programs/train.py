@@ -90,6 +90,105 @@ def parse(argv=None) -> argparse.Namespace:
     return a
 
 
+def main(argv=None) -> dict:
+    a = parse(argv)
+    result = train(a)
+    if a.out is not None:
+        from helpers.launch import write_result
+        write_result(a.out, result)
+    if result["rank"] == 0:
+        metrics = Path(result["output_dir"]) / "metrics.json"
+        metrics.write_text(json.dumps(result, indent=1))
+        print(f"trained {result['steps']} steps on {result['world_size']} rank(s): final loss "
+              f"{result['history'][-1]['loss']:.3f}, held-out loss {result['eval_loss']:.3f}"
+              + (f" (floor {result['floor_nats']:.3f})" if result["floor_nats"] is not None else "")
+              + f" on {result['data']}\n"
+              f"metrics:     {metrics}\ncheckpoint:  {result['checkpoint']}\n"
+              f"tensorboard: tensorboard --logdir {Path(result['tensorboard']).parent}")
+    return result
+
+
+def train(a: argparse.Namespace) -> dict:
+    """Hand the file's dict to the trainer, train to --steps with checkpoints, and report the run."""
+    from helpers.interrupts import holding_signals
+    from helpers.launch import save_config
+    from helpers.runtime import detect, local_world_size, process_rank, run_dir, world_size
+    from helpers.trainer import AdvancedDeepSpeedTrainer
+    output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
+    config = load_json(a.config) | {"tensorboard": {   # the one block the script owns
+        "enabled": True, "output_path": str(output_dir / "tensorboard"), "job_name": Path(a.config).stem}}
+    check_runnable(config)
+    steps = run_length(config, a.steps)
+    check_cost(a, config, world_size(), detect().device, local_world_size())
+    data, held_out = own_data(a, config, world_size()) if a.data is not None else synthetic_data(a)
+    # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
+    compile = a.compile or bool((config.get("compile") or {}).get("deepcompile"))
+    if a.out:
+        save_config(a.out, Path(a.config).stem, config)
+    with holding_signals():   # a SIGTERM or SIGINT from here on ends the run at a step boundary, saved
+        trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
+                                           name=Path(a.config).stem, resume_from=a.resume_from, compile=compile)
+        checkpoint = _train_with_checkpoints(trainer, steps, a.save_every, a.keep_last, output_dir / "checkpoints",
+                                             progress=process_rank() == 0)
+    return {"config": str(a.config), "world_size": trainer.engine.world_size, "rank": process_rank(),
+            "steps": trainer.step, "history": trainer.history, "eval_loss": trainer.evaluate(held_out),
+            "floor_nats": data.floor_nats, "data": a.data or "synthetic Markov text", "summary": trainer.summary(), "checkpoint": str(checkpoint),
+            "tensorboard": str(trainer.tensorboard_logdir), "output_dir": str(output_dir)}
+
+
+def _train_with_checkpoints(trainer, steps: int, save_every: int, keep_last: int, directory: Path,
+                            progress: bool) -> Path:
+    """Train up to global step `steps`, checkpointing every `save_every` steps, at the end, and when a
+    signal stops the run (StopRequested goes on up, once its checkpoint is complete)."""
+    from helpers.interrupts import StopRequested
+    from helpers.runtime import process_rank
+    if process_rank() == 0:   # what `python -m helpers.export DIRECTORY OUT` needs beside the weights
+        directory.mkdir(parents=True, exist_ok=True)
+        trainer.engine.module.config.save_pretrained(directory)
+        trainer.tokenizer.save_pretrained(directory)
+    last = None
+    while trainer.step < steps:
+        chunk = steps - trainer.step if not save_every else min(save_every - trainer.step % save_every,
+                                                                steps - trainer.step)
+        try:
+            trainer.train(chunk, progress=progress)
+        except StopRequested as stop:
+            stop.checkpoint = trainer.save_checkpoint(directory, keep_last)
+            raise
+        last = trainer.save_checkpoint(directory, keep_last)
+    if last is None:   # nothing left to train (a resumed run already at --steps): save where it stands
+        last = trainer.save_checkpoint(directory, keep_last)
+    return last
+
+
+# Not runtime.rank_process: the trainer joins the group itself, and a signalled stop ends it too (no barrier).
+def cli(argv=None) -> None:
+    """The script's entry point: a mistake in the input (config, checkpoint) is one line on stderr and
+    exit status 1, not a traceback; anything else is a bug and keeps its traceback."""
+    try:
+        main(argv)
+        end_process_group()
+    except InputError as err:   # a config, data, checkpoint or option mistake
+        sys.exit(f"error: {err}")
+    except StopRequested as stop:   # a scheduler reads the signal from the status: 128 + its number
+        print(f"{signal.Signals(stop.signum).name}: stopped after step {stop.step}; checkpoint {stop.checkpoint} is "
+              f"complete; continue with --resume-from {stop.checkpoint.parent}", file=sys.stderr, flush=True)
+        end_process_group()
+        sys.exit(128 + stop.signum)
+
+
+def end_process_group() -> None:
+    """Every rank is past its last collective: end the group while Python is alive, since gloo's threads
+    left running at exit can abort the interpreter (SIGABRT, "terminate called without an active exception")."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- below: the checks made before any model is built, and the data (what parse, train and
+# helpers.launch.run_program's check_options call) ----
+
+
 def check_writable_dir(p: argparse.ArgumentParser, flag: str, path: str | None) -> None:
     """A folder the run can create or write into: an existing file, or a file on the way to it, would fail only
     once DeepSpeed writes its first TensorBoard event or checkpoint."""
@@ -197,100 +296,6 @@ def run_length(config: dict, steps: int | None) -> int:
         raise ConfigError(f"--steps={steps} runs past scheduler.params.total_num_steps={total}, where the "
                           "learning rate has decayed to 0: train fewer steps or raise total_num_steps in the file")
     return steps
-
-
-def train(a: argparse.Namespace) -> dict:
-    """Hand the file's dict to the trainer, train to --steps with checkpoints, and report the run."""
-    from helpers.interrupts import holding_signals
-    from helpers.launch import save_config
-    from helpers.runtime import detect, local_world_size, process_rank, run_dir, world_size
-    from helpers.trainer import AdvancedDeepSpeedTrainer
-    output_dir = Path(a.output_dir or a.out or run_dir(f"train/{Path(a.config).stem}"))
-    config = load_json(a.config) | {"tensorboard": {   # the one block the script owns
-        "enabled": True, "output_path": str(output_dir / "tensorboard"), "job_name": Path(a.config).stem}}
-    check_runnable(config)
-    steps = run_length(config, a.steps)
-    check_cost(a, config, world_size(), detect().device, local_world_size())
-    data, held_out = own_data(a, config, world_size()) if a.data is not None else synthetic_data(a)
-    # DeepSpeed applies its compile block (DeepCompile) only inside engine.compile(): asking for it is asking to compile.
-    compile = a.compile or bool((config.get("compile") or {}).get("deepcompile"))
-    if a.out:
-        save_config(a.out, Path(a.config).stem, config)
-    with holding_signals():   # a SIGTERM or SIGINT from here on ends the run at a step boundary, saved
-        trainer = AdvancedDeepSpeedTrainer(data, config, model_size=a.model_size, output_dir=output_dir, seed=a.seed,
-                                           name=Path(a.config).stem, resume_from=a.resume_from, compile=compile)
-        checkpoint = _train_with_checkpoints(trainer, steps, a.save_every, a.keep_last, output_dir / "checkpoints",
-                                             progress=process_rank() == 0)
-    return {"config": str(a.config), "world_size": trainer.engine.world_size, "rank": process_rank(),
-            "steps": trainer.step, "history": trainer.history, "eval_loss": trainer.evaluate(held_out),
-            "floor_nats": data.floor_nats, "data": a.data or "synthetic Markov text", "summary": trainer.summary(), "checkpoint": str(checkpoint),
-            "tensorboard": str(trainer.tensorboard_logdir), "output_dir": str(output_dir)}
-
-
-def _train_with_checkpoints(trainer, steps: int, save_every: int, keep_last: int, directory: Path,
-                            progress: bool) -> Path:
-    """Train up to global step `steps`, checkpointing every `save_every` steps, at the end, and when a
-    signal stops the run (StopRequested goes on up, once its checkpoint is complete)."""
-    from helpers.interrupts import StopRequested
-    from helpers.runtime import process_rank
-    if process_rank() == 0:   # what `python -m helpers.export DIRECTORY OUT` needs beside the weights
-        directory.mkdir(parents=True, exist_ok=True)
-        trainer.engine.module.config.save_pretrained(directory)
-        trainer.tokenizer.save_pretrained(directory)
-    last = None
-    while trainer.step < steps:
-        chunk = steps - trainer.step if not save_every else min(save_every - trainer.step % save_every,
-                                                                steps - trainer.step)
-        try:
-            trainer.train(chunk, progress=progress)
-        except StopRequested as stop:
-            stop.checkpoint = trainer.save_checkpoint(directory, keep_last)
-            raise
-        last = trainer.save_checkpoint(directory, keep_last)
-    if last is None:   # nothing left to train (a resumed run already at --steps): save where it stands
-        last = trainer.save_checkpoint(directory, keep_last)
-    return last
-
-
-def main(argv=None) -> dict:
-    a = parse(argv)
-    result = train(a)
-    if a.out is not None:
-        from helpers.launch import write_result
-        write_result(a.out, result)
-    if result["rank"] == 0:
-        metrics = Path(result["output_dir"]) / "metrics.json"
-        metrics.write_text(json.dumps(result, indent=1))
-        print(f"trained {result['steps']} steps on {result['world_size']} rank(s): final loss "
-              f"{result['history'][-1]['loss']:.3f}, held-out loss {result['eval_loss']:.3f}"
-              + (f" (floor {result['floor_nats']:.3f})" if result["floor_nats"] is not None else "")
-              + f" on {result['data']}\n"
-              f"metrics:     {metrics}\ncheckpoint:  {result['checkpoint']}\n"
-              f"tensorboard: tensorboard --logdir {Path(result['tensorboard']).parent}")
-    return result
-
-
-def cli(argv=None) -> None:
-    """The script's entry point: a mistake in the input (config, checkpoint) is one line on stderr and
-    exit status 1, not a traceback; anything else is a bug and keeps its traceback."""
-    try:
-        main(argv)
-        end_process_group()
-    except InputError as err:   # a config, data, checkpoint or option mistake
-        sys.exit(f"error: {err}")
-    except StopRequested as stop:   # a scheduler reads the signal from the status: 128 + its number
-        print(f"{signal.Signals(stop.signum).name}: stopped after step {stop.step}; checkpoint {stop.checkpoint} is "
-              f"complete; continue with --resume-from {stop.checkpoint.parent}", file=sys.stderr, flush=True)
-        end_process_group()
-        sys.exit(128 + stop.signum)
-
-
-def end_process_group() -> None:
-    """Every rank is past its last collective: end the group while Python is alive, since gloo's threads
-    left running at exit can abort the interpreter (SIGABRT, "terminate called without an active exception")."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ from helpers.errors import integer, number
 from helpers.launch import save_config, write_result
 from helpers.memory.measured import allocated_peak
 from helpers.model import MODEL_SIZES, build_model
-from helpers.precision import PRECISIONS
-from helpers.runtime import detect, init_single_process, quiet_deepspeed
+from helpers.precision import add_precision_flag
+from helpers.runtime import detect, rank_process, resolve_precision
 
 # ZeRO-3's knobs, one setting per run. DeepSpeed's defaults are sized for billions of parameters: a weight under
 # 1e5 elements stays whole on every rank, and up to 1e9 gathered elements stay alive between uses, so a small
@@ -59,7 +59,7 @@ def parse(argv=None):
     p.add_argument("--seq-len", type=integer(2), default=64)
     p.add_argument("--micro-batch", type=integer(1), default=2)
     p.add_argument("--lr", type=number(), default=1e-3)
-    p.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS))
+    add_precision_flag(p)
     p.add_argument("--seed", type=integer(0), default=0)
     return p.parse_args(argv)
 
@@ -188,35 +188,32 @@ def save_both(engine, out: Path) -> dict:
 
 def main(argv=None):
     a = parse(argv)
-    quiet_deepspeed()
-    init_single_process()   # under a launcher: joins the launcher's group
-    world = torch.distributed.get_world_size()
-    precision = detect().precision if a.precision == "auto" else a.precision
-    data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
-    if a.vocab < data.vocab_size:
-        raise ValueError(f"--vocab {a.vocab} is smaller than the data's {data.vocab_size} tokens: use --vocab >= {data.vocab_size}")
-    runs = []
-    for name in a.knobs:
-        config = zero3_config(a, precision, world, KNOBS[name])
-        save_config(a.out, name, config)
-        model, built = build_partitioned(a, config)
-        run = {"knobs": name, "config": config, **built, "held": partition_elements(model)}
-        if not runs:
-            run["gathered"] = gather_and_change(model)
-        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-        live = live_elements(engine.module)
-        batches = ResumableBatches(data, a.micro_batch, a.seed, rank=torch.distributed.get_rank(), world_size=world)
-        run.update(train(engine, batches, a.steps, live), held_after=partition_elements(engine.module))
-        if not runs:
-            run["saved"] = save_both(engine, Path(a.out))
-        runs.append(run)
-        engine.destroy()
-    plain = plain_build(a)
-    write_result(a.out, {"runs": runs, "plain_build_bytes": plain, "world_size": world, "precision": precision, "vocab_size": a.vocab,
-                         "data_vocab_size": data.vocab_size, "seq_len": a.seq_len, "model_size": a.model_size,
-                         "micro_batch": a.micro_batch})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        precision = resolve_precision(a.precision)
+        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
+        if a.vocab < data.vocab_size:
+            raise ValueError(f"--vocab {a.vocab} is smaller than the data's {data.vocab_size} tokens: "
+                             f"use --vocab >= {data.vocab_size}")
+        runs = []
+        for name in a.knobs:
+            config = zero3_config(a, precision, world, KNOBS[name])
+            save_config(a.out, name, config)
+            model, built = build_partitioned(a, config)
+            run = {"knobs": name, "config": config, **built, "held": partition_elements(model)}
+            if not runs:
+                run["gathered"] = gather_and_change(model)
+            engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+            live = live_elements(engine.module)
+            batches = ResumableBatches(data, a.micro_batch, a.seed, rank=torch.distributed.get_rank(), world_size=world)
+            run.update(train(engine, batches, a.steps, live), held_after=partition_elements(engine.module))
+            if not runs:
+                run["saved"] = save_both(engine, Path(a.out))
+            runs.append(run)
+            engine.destroy()
+        plain = plain_build(a)
+        write_result(a.out, {"runs": runs, "plain_build_bytes": plain, "world_size": world, "precision": precision,
+                             "vocab_size": a.vocab, "data_vocab_size": data.vocab_size, "seq_len": a.seq_len,
+                             "model_size": a.model_size, "micro_batch": a.micro_batch})
 
 
 if __name__ == "__main__":

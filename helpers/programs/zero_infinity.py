@@ -33,8 +33,8 @@ from helpers.errors import integer, number
 from helpers.launch import save_config, write_result
 from helpers.memory.measured import measurement_zero_extra, storage_bytes, tensors_in
 from helpers.model import MODEL_SIZES, build_model
-from helpers.precision import PRECISIONS
-from helpers.runtime import detect, init_single_process, process_rank, quiet_deepspeed, world_size
+from helpers.precision import add_precision_flag
+from helpers.runtime import detect, process_rank, rank_process, resolve_precision, world_size
 
 SWAP_MIN_BYTES = 2**20   # DeepSpeed swaps a tensor only from 1 MiB on (swap_tensor/utils.py MIN_AIO_BYTES)
 AIO = {"block_size": SWAP_MIN_BYTES, "queue_depth": 8, "intra_op_parallelism": 1,   # DeepSpeed's defaults,
@@ -61,7 +61,7 @@ def parse(argv=None):
     p.add_argument("--seq-len", type=integer(2), default=32)
     p.add_argument("--micro-batch", type=integer(1), default=2)
     p.add_argument("--lr", type=number(), default=3e-3)
-    p.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS))
+    add_precision_flag(p)
     p.add_argument("--seed", type=integer(0), default=0)
     return p.parse_args(argv)
 
@@ -180,25 +180,22 @@ def run(a, kind: str, data, precision: str) -> dict:
 
 def main(argv=None):
     a = parse(argv)
-    quiet_deepspeed()
-    init_single_process()   # under a launcher: joins the launcher's group
-    check_options(a, world_size())
-    rt = detect()
-    precision = rt.precision if a.precision == "auto" else a.precision
-    data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
-    if data.vocab_size > a.vocab:
-        raise ValueError(f"vocab={a.vocab} is under the data vocab {data.vocab_size}: use vocab >= {data.vocab_size}")
-    if process_rank() == 0:   # DeepSpeed clears its parameter folders, not the optimizer's: start empty
-        shutil.rmtree(Path(a.out) / "nvme", ignore_errors=True)
-    torch.distributed.barrier()
-    runs = {kind: run(a, kind, data, precision) for kind in ("cpu", "nvme")}
-    write_result(a.out, {"runs": runs, "losses_equal": runs["cpu"]["losses"] == runs["nvme"]["losses"],
-                         "world_size": world_size(), "precision": precision, "device": rt.device,
-                         "model_size": a.model_size, "vocab_size": a.vocab, "data_vocab_size": data.vocab_size,
-                         "seq_len": a.seq_len, "micro_batch": a.micro_batch, "steps": a.steps,
-                         "nvme_path": str((Path(a.out) / "nvme").resolve())})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        rt = detect()
+        precision = resolve_precision(a.precision, rt)
+        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
+        if data.vocab_size > a.vocab:
+            raise ValueError(f"vocab={a.vocab} is under the data vocab {data.vocab_size}: use vocab >= {data.vocab_size}")
+        if process_rank() == 0:   # DeepSpeed clears its parameter folders, not the optimizer's: start empty
+            shutil.rmtree(Path(a.out) / "nvme", ignore_errors=True)
+        torch.distributed.barrier()
+        runs = {kind: run(a, kind, data, precision) for kind in ("cpu", "nvme")}
+        write_result(a.out, {"runs": runs, "losses_equal": runs["cpu"]["losses"] == runs["nvme"]["losses"],
+                             "world_size": world, "precision": precision, "device": rt.device,
+                             "model_size": a.model_size, "vocab_size": a.vocab, "data_vocab_size": data.vocab_size,
+                             "seq_len": a.seq_len, "micro_batch": a.micro_batch, "steps": a.steps,
+                             "nvme_path": str((Path(a.out) / "nvme").resolve())})
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ from helpers.launch import flags, save_config, write_result
 from helpers.memory.measured import (allocated_peak, held_bytes, measurement_zero_extra, peak_memory, split_by_side,
                                      zero2_overhang_bytes)
 from helpers.model import MODEL_SIZES, build_model
-from helpers.precision import PRECISIONS, eps
-from helpers.runtime import detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed, world_size
+from helpers.precision import add_precision_flag, eps
+from helpers.runtime import (detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed,
+                             resolve_precision, world_size)
 from helpers.trainer import undo_optimizer_init_step
 
 
@@ -42,12 +43,15 @@ def parse(argv=None):
     p.add_argument("--grad-accum", type=integer(2, "ZeRO-1 holds full gradients only while accumulating: see Measure"), default=2)
     p.add_argument("--lr", type=number(), default=3e-3)
     p.add_argument("--seed", type=integer(0), default=0)
-    p.add_argument("--precision", choices=list(PRECISIONS), help="default: the one this machine's rule picks")
+    add_precision_flag(p, help="auto (the default): the one this machine's rule picks")
     p.add_argument("--paper-comm", action="store_true",
                    help="configure ZeRO-2/3 communication as the paper describes it (see notebook 04)")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="ZeRO-Offload: optimizer state and its step on the host (stages 1-3; notebook 05)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    # resolved here, not in run_stage, whose source notebooks 04 and 05 print (and nbval compares)
+    a.precision = resolve_precision(a.precision)
+    return a
 
 
 # DeepSpeed's defaults differ from the paper's algorithm in two places (measured in notebook 04):
@@ -189,6 +193,7 @@ def run_stage(a, block: dict, data, rt) -> dict:
             "step_s": measure.step_s, "losses": losses}
 
 
+# main keeps its own start-up and shutdown, not runtime.rank_process: notebook 04 prints main (nbval compares it).
 def set_up_process(rt) -> None:
     quiet_deepspeed()
     init_single_process()   # a no-op under torchrun; one rank's environment when run with plain python
