@@ -1,6 +1,8 @@
 """benchmarks.trainer_vs_plain end to end at toy sizes (--smoke): it runs, writes its JSON and table, and
 the plain loop, the DeepSpeed trainer and HF Trainer do the same math. No timing is asserted: this box
-is shared and noisy, and the smoke sizes say nothing about speed."""
+is shared and noisy, and the smoke sizes say nothing about speed. The compiled contenders are left out
+(--compiled-stages with no stage): they are the trainer's compile=True, which tests/test_compile.py and
+notebook 03's section 7 check against eager, and compiling two more processes cost CI about 40 s."""
 import json
 
 import pytest
@@ -12,13 +14,13 @@ from helpers.model import build_model
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
-    returned = main(["--smoke", "--device", "cpu", "--out", str(out), "--work-dir", str(out.parent / "work")])
+    returned = main(["--smoke", "--compiled-stages", "--device", "cpu", "--out", str(out), "--work-dir", str(out.parent / "work")])
     return returned, json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
 def test_it_writes_every_contender_with_its_numbers(result):
     returned, saved, table = result
-    assert list(saved["contenders"]) == ["plain", "plain-compiled", "ds0", "hf0", "ds0-compiled"]
+    assert list(saved["contenders"]) == ["plain", "ds0", "hf0"]
     assert returned["contenders"]["ds0"]["final_loss"] == saved["contenders"]["ds0"]["final_loss"]
     steps = saved["config"]["steps"] * (saved["config"]["rounds"] + 1)   # warm-up block + rounds
     for name, row in saved["contenders"].items():
@@ -27,16 +29,13 @@ def test_it_writes_every_contender_with_its_numbers(result):
         assert row["peak_memory_mib"] >= row["baseline_memory_mib"] > 0 and row["state_mib"] > 0, name
         assert f"| {name} |" in table
     assert saved["contenders"]["ds0"]["vs_hf_same_stage"] is not None
-    assert list(saved["compiled"]) == ["plain-compiled", "ds0-compiled"]
-    for name, row in saved["compiled"].items():
-        assert row["eager"] == name.removesuffix("-compiled") and row["compile_s"] > 0, name
-        assert f"| {name} | {row['vs_eager']['median']:.3f}" in table
+    assert not saved["compiled"]
 
 
 def test_contenders_do_the_same_math(result):
     _, saved, _ = result
     rows = saved["contenders"]
-    for name in ("ds0", "hf0", "plain-compiled", "ds0-compiled"):
+    for name in ("ds0", "hf0"):
         assert abs(rows[name]["losses"][0] - rows["plain"]["losses"][0]) < 1e-5, name   # same init, same batch
         assert rows[name]["max_loss_diff_all_steps"] < 1e-3, name
         assert rows[name]["max_lr_diff"] < 1e-12, name   # the same warm-up/decay schedule, step for step
