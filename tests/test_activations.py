@@ -1,9 +1,9 @@
 """Activation memory measured: one real training step in a child process, against the formula."""
 import pytest
 
-from helpers.memory import activations
 from helpers.memory.formulas import activation_bytes_for
 from helpers.memory.measured import peak_source
+from helpers.topics import activations
 
 
 def test_peak_source_per_device():

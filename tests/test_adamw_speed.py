@@ -1,7 +1,7 @@
-"""helpers.adamw_speed: AdamW variants on the same gradients."""
+"""helpers.topics.adamw_speed: AdamW variants on the same gradients."""
 import torch
 
-from helpers.adamw_speed import compare_adamw
+from helpers.topics.adamw_speed import compare_adamw
 
 
 def test_compare_adamw_times_each_variant_on_the_same_gradients_and_leaves_the_module_alone():

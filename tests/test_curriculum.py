@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from helpers.curriculum import (check_schedule, lengths_over_steps, make_scheduler, rows_per_step, train_and_heldout,
-                                tokens_to_reach, truncate, verdict)
+from helpers.topics.curriculum import (check_schedule, lengths_over_steps, make_scheduler, rows_per_step,
+                                       train_and_heldout, tokens_to_reach, truncate, verdict)
 
 
 def seqlen_schedule(min_len: int = 16, max_len: int = 64, total_curriculum_step: int = 30,

@@ -63,7 +63,49 @@ def test_the_graph_reads_relative_and_absolute_imports():
     graph = {name: imported(name, path) for name, path in MODULES.items()}
     assert "helpers.memory.formulas" in graph["helpers.memory.measured"]   # absolute
     assert "helpers.checkpoints" in graph["helpers.trainer"]               # `from . import checkpoints`
-    assert "helpers.precision" in graph["helpers.memory.activations"]      # `from ..precision import`
+    assert "helpers.precision" in graph["helpers.topics.activations"]      # `from ..precision import`
+
+
+def program_imports(where: str, source: str) -> list[str]:
+    """`where:line: import` for each import of `source` (the file `where`, relative to the repository) that names
+    helpers.programs or a module in it: `import helpers.programs.x`, `from helpers.programs.x import y`,
+    `from helpers import programs`, and the relative forms (`from ..programs.x import y`), at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute(node, where)
+            names = [module, *(f"{module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        if any(n == "helpers.programs" or n.startswith("helpers.programs.") for n in names):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_program_import_check_reads_every_form():
+    module = "helpers/memory/example.py"
+    caught = ["import helpers.programs.zero_stages", "from helpers.programs.zero_stages import run_here",
+              "from helpers import programs", "from ..programs.zero_stages import run_here", "from .. import programs",
+              "def f():\n    from ..programs import zero_stages"]
+    passed = ["from helpers import launch", "from ..precision import dtype", "from .formulas import GB",
+              "import helpers.topics.moe"]
+    assert all(program_imports(module, source) for source in caught)
+    assert not any(program_imports(module, source) for source in passed)
+    # the one arrow this test was written against: notebook 05's offload runs imported zero_stages.run_here
+    assert program_imports(module, "from ..programs.zero_stages import run_here") == \
+        ["helpers/memory/example.py:1: from ..programs.zero_stages import run_here"]
+
+
+def test_no_library_module_imports_a_program():
+    """A program may import a library module, never the other way round: a library module (anything in helpers/
+    outside helpers/programs/) that needs what a program runs takes it as an argument from its caller (as
+    helpers.topics.offload.compare takes `run`), so the library does not depend on a script that runs as a rank."""
+    programs = HELPERS / "programs"
+    found = [hit for path in sorted(HELPERS.rglob("*.py")) if not path.is_relative_to(programs)
+             for hit in program_imports(str(path.relative_to(ROOT)), path.read_text())]
+    assert not found, "a library module imports a program:\n" + "\n".join(found)
 
 
 def test_helpers_imports_form_no_circle():

@@ -8,8 +8,8 @@ import torch
 
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-from helpers.loss_scaling import expected_scales, summarize
 from helpers.runtime import init_single_process
+from helpers.topics.loss_scaling import expected_scales, summarize
 
 
 def make_scaler(init_scale, scale_window, min_scale=1.0, hysteresis=2, consecutive_hysteresis=False):

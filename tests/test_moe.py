@@ -1,4 +1,4 @@
-"""helpers.moe and the expert-parallel program (helpers/programs/moe.py): parameter counts from shapes vs the modules DeepSpeed
+"""helpers.topics.moe and the expert-parallel program (helpers/programs/moe.py): parameter counts from shapes vs the modules DeepSpeed
 builds, capacity and dropped tokens vs DeepSpeed's own gate, bad input, and one real 2-rank run."""
 import math
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import moe
 from helpers.launch import run_program
 from helpers.programs.moe import MoEGPT, dense_twin
 from helpers.model import MODEL_SIZES, build_model
+from helpers.topics import moe
 
 VOCAB, N_POS, SIZE = 130, 48, "tiny"
 N_LAYER, N_EMBD, _ = MODEL_SIZES[SIZE]

@@ -3,9 +3,10 @@ and which precisions a runtime offers for notebook 05's 16-bit runs."""
 import pytest
 
 from helpers.data import SyntheticTextDataset
-from helpers.memory import offload
 from helpers.memory.planner import model_state_bytes
 from helpers.precision import ELEMENT_BYTES, loss_tolerance, trainable_precisions
+from helpers.programs.zero_stages import run_here
+from helpers.topics import offload
 
 pytestmark = pytest.mark.precision   # follows the precision rule: run again with the other one forced
 
@@ -19,8 +20,8 @@ CPU = {"device": "cpu", "pin_memory": False}
 
 
 def test_zero2_offload_leaves_only_parameters_on_the_accelerator(data, tmp_path):
-    plain, moved = offload.compare(data, {"ZeRO-2": {"stage": 2}, "ZeRO-2 + offload": {"stage": 2, "offload_optimizer": CPU}},
-                                   steps=3, output_dir=tmp_path)
+    blocks = {"ZeRO-2": {"stage": 2}, "ZeRO-2 + offload": {"stage": 2, "offload_optimizer": CPU}}
+    plain, moved = offload.compare(run_here, data, blocks, steps=3, output_dir=tmp_path)
     psi, precision = moved["n_params"], moved["precision"]
     assert plain["host_bytes"] == 0 and plain["optimizer"] == "AdamW"
     assert moved["optimizer"] == "DeepSpeedCPUAdam" and moved["host_devices"] == ["cpu"]
@@ -36,8 +37,8 @@ def test_zero2_offload_leaves_only_parameters_on_the_accelerator(data, tmp_path)
 
 
 def test_zero3_param_offload_moves_the_partitions_too(data, tmp_path):
-    [r] = offload.compare(data, {"ZeRO-3 + offload optimizer + params":
-                                 {"stage": 3, "offload_optimizer": CPU, "offload_param": CPU}}, steps=3, output_dir=tmp_path)
+    blocks = {"ZeRO-3 + offload optimizer + params": {"stage": 3, "offload_optimizer": CPU, "offload_param": CPU}}
+    [r] = offload.compare(run_here, data, blocks, steps=3, output_dir=tmp_path)
     formula = model_state_bytes(r["n_params"], 1, 3, "optimizer+params", r["precision"])["cpu"]
     # DeepSpeed 0.19 keeps one more gradient copy, in the training dtype, on the host (see notebook 05)
     assert formula <= r["host_bytes"] <= formula + ELEMENT_BYTES[r["precision"]] * r["n_params"]

@@ -6,12 +6,12 @@ a launch prints, the longest-sequence arithmetic, and the one-line refusals of t
 import pytest
 import torch
 
-from helpers import sequence_parallel
 from helpers.config import build_config, validate
 from helpers.errors import ConfigError
 from helpers.launch import checked_flags, command_line
 from helpers.model import MODEL_SIZES, build_llama, llama_param_count
-from helpers.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL
+from helpers.topics import sequence_parallel
+from helpers.topics.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL
 
 
 @pytest.mark.parametrize("size", ["tiny", "small"])

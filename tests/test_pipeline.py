@@ -1,12 +1,12 @@
-"""helpers.pipeline, helpers.pipeline_schedule and helpers/programs/pipeline.py: the bubble formula against DeepSpeed's own schedule,
+"""helpers.topics.pipeline, helpers.topics.pipeline_schedule and helpers/programs/pipeline.py: the bubble formula against DeepSpeed's own schedule,
 parameter counts against GPT-2's, and one real 2-stage run against the same model trained unsplit."""
 import pytest
 import torch
 
-from helpers import pipeline
-from helpers.pipeline import layer_param_formula, stage_param_formula
-from helpers.pipeline_schedule import (COMPUTE, bubble_fraction, bubble_rows, handoff_delays, measured_bubble,
-                                       micro_batch_ids, replay_schedule, schedule_table, scheduled_bubble, train_schedule)
+from helpers.topics import pipeline
+from helpers.topics.pipeline import layer_param_formula, stage_param_formula
+from helpers.topics.pipeline_schedule import (COMPUTE, bubble_fraction, bubble_rows, handoff_delays, measured_bubble,
+                                              micro_batch_ids, replay_schedule, schedule_table, scheduled_bubble, train_schedule)
 from helpers.programs.pipeline import UnsplitModel, build_pipeline, gpt2_config, gpt2_layer_specs, layer_names
 from helpers.runtime import init_single_process
 from helpers.model import gpt2_param_count

@@ -6,6 +6,7 @@ measured     what a rank really holds (by component, by side), peak memory from 
              ZeRO settings that make a tiny model's bytes show the formulas
 planner      what fits on a GPU (stage, offload, checkpointing, micro-batch), the explorer's checks and config
 widget       the explorer as ipywidgets
-activations, offload, sixteen_bit: notebook 05's experiments (activation sweep in fresh processes;
-             ZeRO-Offload and 16-bit runs through helpers/programs/zero_stages.py's run_stage)
+budget       will a run fit? its memory estimated before it starts, against what is free (refused or warned)
+
+Notebook 05's own experiments (the activation sweep, the ZeRO-Offload and 16-bit runs) are in helpers.topics.
 """

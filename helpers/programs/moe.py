@@ -7,7 +7,7 @@ parameters per token) on the same data.
 
 Every rank records what it holds (its experts and the shared weights), per step the tokens its batch
 sent to each expert, the auxiliary load-balancing loss, the language-model loss and the step time,
-and the collectives of one step; helpers.moe turns those results into tables and curves.
+and the collectives of one step; helpers.topics.moe turns those results into tables and curves.
 """
 import argparse
 import time
@@ -18,7 +18,7 @@ from deepspeed.moe.layer import MoE
 from torch import nn
 from transformers import set_seed
 
-from helpers import comms, moe
+from helpers import comms
 from helpers.batches import ResumableBatches
 from helpers.config import build_config, validate
 from helpers.data import SyntheticTextDataset
@@ -27,6 +27,7 @@ from helpers.launch import save_config, write_result
 from helpers.precision import add_precision_flag
 from helpers.runtime import detect, rank_process, resolve_precision
 from helpers.model import MODEL_SIZES, build_model
+from helpers.topics import moe
 
 
 def parse(argv=None):
@@ -94,7 +95,7 @@ class MoEGPT(nn.Module):
     load-balancing loss E x sum_e (mean gate probability of e) x (fraction of tokens sent to e):
     1 when tokens spread evenly, up to E when one expert takes them all. Adding aux_loss_coef times
     it to the loss keeps the router from collapsing onto a few experts. Each expert takes at most
-    `helpers.moe.capacity(tokens, E, k, capacity_factor, min_capacity)` tokens per forward; the rest are dropped.
+    `helpers.topics.moe.capacity(tokens, E, k, capacity_factor, min_capacity)` tokens per forward; the rest are dropped.
     With ep_size > 1 the model must run under DeepSpeed (deepspeed.initialize sets up the expert groups).
     """
 

@@ -29,8 +29,8 @@ from helpers.data import SyntheticTextDataset
 from helpers.errors import integer, number
 from helpers.launch import save_config, write_result
 from helpers.model import MODEL_SIZES
-from helpers.pipeline import STAGES, layer_param_formula, stage_param_formula
-from helpers.pipeline_schedule import InstructionTimer, bubble_fraction
+from helpers.topics.pipeline import STAGES, layer_param_formula, stage_param_formula
+from helpers.topics.pipeline_schedule import InstructionTimer, bubble_fraction
 from helpers.runtime import quiet_deepspeed
 
 PARTITION_METHODS = ("parameters", "uniform", "type:GPT2Block")

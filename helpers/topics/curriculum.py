@@ -14,8 +14,8 @@ from itertools import pairwise
 
 import torch
 
-from .data import SyntheticTextDataset
-from .runtime import quiet_deepspeed
+from ..data import SyntheticTextDataset
+from ..runtime import quiet_deepspeed
 
 SCHEDULE_TYPES = ("fixed_linear", "fixed_root", "fixed_discrete")
 

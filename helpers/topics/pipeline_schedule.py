@@ -1,7 +1,7 @@
 """Pipeline parallelism, the schedule side: the bubble formula, DeepSpeed's own 1F1B training schedule as a
 table, a timer for the instructions a pipeline engine really runs, and a replay of the schedule that says
 where a measured step's idle time went. (The model is helpers/programs/pipeline.py; launching it and
-comparing with the unsplit run is helpers.pipeline.)
+comparing with the unsplit run is helpers.topics.pipeline.)
 
 Events (measured or replayed) are dicts {"name": instruction, "mb": micro-batch, "start", "end",
 "cpu_s"}; a step is one list of them per stage.
@@ -223,7 +223,7 @@ def work_per_micro_batch(stage_events: list[list[dict]], threads: int) -> tuple[
 
 
 def bubble_rows(results: dict, warmup: int = 1) -> list[dict]:
-    """Per m and stage of `helpers.pipeline.run`'s results: the bubble formula, DeepSpeed's schedule, this
+    """Per m and stage of `helpers.topics.pipeline.run`'s results: the bubble formula, DeepSpeed's schedule, this
     run's work replayed on that schedule (with instant hand-offs, and with this run's median hand-off), and
     the measured idle share; each the median over the steps after `warmup`."""
     threads = results["ranks"][0]["torch_threads"]

@@ -12,8 +12,8 @@ import time
 from statistics import median_high
 
 from .. import REPO_ROOT, with_repo_on_path
-from .formulas import activation_bytes_for
-from .measured import allocated_peak, peak_source
+from helpers.memory.formulas import activation_bytes_for
+from helpers.memory.measured import allocated_peak, peak_source
 
 
 def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpointing: bool, device: str):
@@ -156,5 +156,5 @@ def savings(rows: list[dict]) -> list[dict]:
     return out
 
 
-if __name__ == "__main__":   # the measuring child: python -m helpers.memory.activations --measure|--time '{...}'
+if __name__ == "__main__":   # the measuring child: python -m helpers.topics.activations --measure|--time '{...}'
     print(json.dumps({"--measure": _child_measure, "--time": _child_time}[sys.argv[1]](**json.loads(sys.argv[2]))))

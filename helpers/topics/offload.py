@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median_high   # the middle step (the higher of two): a step that really ran
 
-from ..programs.zero_stages import run_here
 
-
-def compare(data, zero_blocks: dict[str, dict], steps: int = 6, output_dir=".") -> list[dict]:
-    """The ZeRO comparison's `run_stage` (helpers/programs/zero_stages.py) once per named `zero_optimization`
+def compare(run, data, zero_blocks: dict[str, dict], steps: int = 6, output_dir=".") -> list[dict]:
+    """`run` (the ZeRO comparison's `run_here`: helpers/programs/zero_stages.py's `run_stage` in this process,
+    handed in by the caller, since a library module imports no program) once per named `zero_optimization`
     block (offload blocks as written: offload needs ZeRO >= 1, parameter offload ZeRO-3), same data, model
     and seed: where its bytes live, the optimizer DeepSpeed built, step times, losses."""
-    return [{"name": name, **run_here(block, data, Path(output_dir) / f"offload{i}", steps=steps)}
+    return [{"name": name, **run(block, data, Path(output_dir) / f"offload{i}", steps=steps)}
             for i, (name, block) in enumerate(zero_blocks.items())]
 
 

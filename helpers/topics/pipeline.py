@@ -1,6 +1,6 @@
 """Pipeline parallelism, the notebook's side: launch helpers/programs/pipeline.py (the 2-stage run and the
 unsplit reference), count each stage's parameters from the shapes, and compare the two runs. The schedule
-side (the bubble, DeepSpeed's 1F1B schedule, timing what an engine runs) is helpers.pipeline_schedule.
+side (the bubble, DeepSpeed's 1F1B schedule, timing what an engine runs) is helpers.topics.pipeline_schedule.
 """
 from __future__ import annotations
 
