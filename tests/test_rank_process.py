@@ -1,6 +1,6 @@
 """The rank programs' shared pieces: one --precision flag (helpers.precision.add_precision_flag), one resolver
 (helpers.runtime.resolve_precision), and one start-up and shutdown (helpers.runtime.rank_process), the last on
-2 real ranks under torchrun and in fresh 1-rank processes.
+2 real ranks under torchrun (join, all-reduce, end the group) and, for an error inside the block, in a fresh 1-rank process.
 
 This file is also the 2-rank program of that test: `python -m tests.test_rank_process --out OUT` (see rank_main)."""
 import argparse
@@ -86,22 +86,6 @@ def run_fresh(code: str) -> dict:
     done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]   # a SIGABRT at exit (gloo's threads) would show here
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-ONE_RANK = """
-import json, torch
-from helpers.runtime import rank_process
-with rank_process() as world:
-    inside = torch.distributed.is_initialized()
-    total = torch.ones(1)
-    torch.distributed.all_reduce(total)
-print(json.dumps({"world": world, "inside": inside, "sum": total.item(), "after": torch.distributed.is_initialized()}))
-"""
-
-
-def test_one_rank_joins_a_group_inside_the_block_and_ends_it_after():
-    got = run_fresh(ONE_RANK)
-    assert got == {"world": 1, "inside": True, "sum": 1.0, "after": False}
 
 
 RAISING = """
