@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from helpers.errors import ConfigError, require_positive_int
-from helpers.precision import precision_block, trainable_precisions
+from helpers.precision import precision_block, precision_of, trainable_precisions
 from helpers.schema import check_blocks, check_optimizer, check_scheduler, check_top_level, check_with_deepspeed_config
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -183,8 +183,7 @@ def check_precision(config: dict, device: str, capability: tuple | None = None) 
     bf16 = config.get("bf16", {}).get("enabled", False)
     if fp16 and bf16:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: pick one precision")
-    asked = "fp16" if fp16 else "bf16" if bf16 else "fp32"
-    if asked in trainable_precisions(device, capability):
+    if precision_of(config) in trainable_precisions(device, capability):
         return
     if device == "cpu":   # fp16: DeepSpeed takes it only where oneDNN has fp16 kernels (trainable_precisions says why not here)
         raise ConfigError("fp16.enabled is true but this device is a CPU: this tutorial trains fp16 on CUDA GPUs "
