@@ -4,7 +4,8 @@ A notebook process can be only one rank, so multi-rank experiments are the scrip
 run under a launcher. `run_program` turns keyword options into the program's flags (the one place that
 does) and checks them with its own parser before any process starts; each rank calls `write_result`;
 `launch` returns the results by rank, or raises `RankFailedError` with the failing rank's log
-(per-rank logs in OUT_DIR/logs).
+(per-rank logs in OUT_DIR/logs). `run_script` runs a script a notebook wrote, as a terminal would, and returns
+what it printed and its exit code, failures included (notebook 10 reproduces them).
 """
 from __future__ import annotations
 
@@ -128,6 +129,31 @@ def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: flo
     if echo:
         show_configs(out_dir)
     return results
+
+
+def run_script(script: str | Path, n_ranks: int, *args: str, launcher: str = "torchrun",
+               launcher_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               timeout: float = 300) -> tuple[int, str]:
+    """Run a script as a terminal would: `torchrun --standalone --nproc_per_node N script *args`, or
+    `deepspeed *launcher_args script *args` (its ranks chosen by launcher_args, e.g. --include localhost:1).
+    Returns (exit code, what the launcher and the ranks printed, stdout and stderr together); a failing run is
+    returned, not raised, because notebook 10 reproduces failures and reads their messages. The ranks are placed
+    like `launch`'s (`child_env(n_ranks)`); `env` adds variables. A run still going after `timeout` seconds is
+    killed with everything it started, and its exit code reads -9."""
+    if launcher == "torchrun":
+        start = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(n_ranks), *launcher_args]
+    elif launcher == "deepspeed":
+        start = ["deepspeed.launcher.runner", *launcher_args, "--master_port", str(free_port())]
+    else:
+        raise ValueError(f"launcher must be 'torchrun' or 'deepspeed', got {launcher!r}")
+    proc = subprocess.Popen([sys.executable, "-m", *start, str(script), *args], env=child_env(n_ranks) | (env or {}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        return -9, proc.stdout.read()
+    return proc.returncode, output
 
 
 def command_line(module: str, n_ranks: int, out_dir, args: list[str], launcher: str = "torchrun") -> str:

@@ -3,7 +3,10 @@
 but the first that way, in the precision the rule did not pick. nbval's second pass (tests/conftest.py, in that
 precision too) therefore stops where the first of those sections starts: what follows would repeat them, and a
 section after them without ↻ may read their variables, which the second pass would then hold from the first
-pass. So such a section (05's decision table, 07's combined dimensions, 08's serving) runs in one precision."""
+pass. So such a section (05's decision table, 07's combined dimensions, 08's serving) runs in one precision.
+A notebook whose code never reads the precision (10: its scripts and configs name fp32 themselves) gets no second
+pass: it would repeat the first exactly."""
+import re
 from pathlib import Path
 
 import nbformat
@@ -36,8 +39,20 @@ def restart_tested(cells: list) -> list[int]:
     return restart_points(cells)[1:]
 
 
+def reads_precision(cells: list) -> bool:
+    """Whether any code cell reads the precision, itself or through a helper that picks one: the word `precision`
+    (TUTORIAL_PRECISION, `rt.precision`, `resolve_precision`...), `detect(`, the trainer, `build_config`, a rank
+    program (`run_program`, `run_here`), or the modules that decide it (hardware, precision), in its code,
+    comments left out. Where none does, a run in the other precision computes what the first run computed."""
+    code = "\n".join(re.sub(r"#.*", "", c.source) for c in cells if c.cell_type == "code")
+    return re.search(r"precision|detect\(|AdvancedDeepSpeedTrainer|build_config|run_program|run_here"
+                     r"|helpers(\.| import )(trainer|hardware|precision)\b", code, re.IGNORECASE) is not None
+
+
 def second_pass_cut(path: Path) -> int:
-    """How many of the notebook's cells nbval's second pass runs: those before the first restart-tested ↻
-    section (all of them when there is none)."""
+    """How many of the notebook's cells nbval's second pass runs: none where no cell reads the precision; else
+    those before the first restart-tested ↻ section (all of them when there is none)."""
     cells = nbformat.read(path, as_version=4).cells
+    if not reads_precision(cells):
+        return 0
     return (restart_tested(cells) or [len(cells)])[0]

@@ -263,3 +263,23 @@ def test_a_one_gpu_machine_places_ranks_by_the_launch_they_stand_beside(n_ranks,
     env = launching.child_env(like_ranks or n_ranks)
     assert (env.get("CUDA_VISIBLE_DEVICES") != "") == on_gpu
     assert (env.get(PRECISION_ENV) == "fp16") == on_gpu      # CPU ranks take the CPU rule's precision
+
+
+def test_run_script_returns_a_failing_run_with_every_ranks_lines(tmp_path):
+    """Notebook 10 reproduces failures: run_script hands back the exit code and what the ranks printed, both
+    ranks' lines, where launch() would raise."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text("import os, sys\nrank = os.environ['RANK']\nprint(f'rank {rank}: here', flush=True)\n"
+                      "sys.exit(3 if rank == '1' else 0)\n")
+    from helpers.launch import run_script
+    code, output = run_script(script, 2)
+    assert code != 0 and "rank 0: here" in output and "rank 1: here" in output, output
+
+
+def test_run_script_kills_a_run_past_its_timeout(tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import os, time\nprint(f'pid {os.getpid()}', flush=True)\ntime.sleep(600)\n")
+    from helpers.launch import run_script
+    code, output = run_script(script, 1, timeout=15)
+    pids = [int(line.split()[1]) for line in output.splitlines() if line.startswith("pid ")]
+    assert code == -9 and pids and not any(psutil.pid_exists(pid) for pid in pids), output

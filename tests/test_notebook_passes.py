@@ -26,12 +26,23 @@ def test_an_output_of_one_precision_fails_the_second_pass(tmp_path):
 def test_a_cell_stored_with_two_stdout_outputs_passes_both_passes(tmp_path):
     """A kernel may send one cell's prints as two stream messages (a slow call between them: 03's resume check).
     nbval merges them in place in the stored cell; the second pass compares against a copy of it (CI failed here)."""
-    cell = nbformat.v4.new_code_cell("print('one')\nprint('two')")
+    cell = nbformat.v4.new_code_cell("print('one')\nprint('two')\nprecision = 'any'   # the word keeps it in the second pass")
     cell.execution_count = 1
     cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=t) for t in ("one\n", "two\n")]
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "probe.ipynb")
     run = run_probe(tmp_path / "probe.ipynb")
     assert "6 passed" in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]
+
+
+def test_a_notebook_that_never_reads_the_precision_runs_once(tmp_path):
+    """No code cell names the precision or a helper that picks one (tests/passes.py): a second pass would repeat
+    the first, so there is none. The same cell reading the precision gets its second pass."""
+    for source, items in (("print('same')", "4 passed"), ("print('same')\nrt.precision if False else None", "6 passed")):
+        cell = nbformat.v4.new_code_cell(source)
+        cell.execution_count, cell.outputs = 1, [nbformat.v4.new_output("stream", name="stdout", text="same\n")]
+        nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "probe.ipynb")
+        run = run_probe(tmp_path / "probe.ipynb")
+        assert items in run.stdout and "failed" not in run.stdout, (source, run.stdout[-3000:])
 
 
 def run_probe(notebook):
