@@ -6,7 +6,7 @@ The table it prints is the one notebooks/README.md shows under "Time on a Colab 
 names the CPU peak it was made with, to pass as --cpu-peak-tflops). Each stored notebook keeps its cells' start
 and end times (nbclient records them). Two kinds of cell:
 - cells that launch rank programs (`run_program`, `pipeline.run`, a notebook's `torchrun(...)` or `launch(...)` of
-  its shown script on 2 ranks): on a single GPU these ranks run on the
+  its shown script on 2 ranks, `run_script`): on a single GPU these ranks run on the
   CPU with gloo there too, and a free Colab runtime has 2 vCPUs, like the CI box: their time carries over;
 - every other cell runs in the kernel, on the T4. Its compute cannot exceed what this CPU could do in that
   time: seconds x this CPU's matmul peak (in the precision the run trained in: --cpu-peak-tflops, or measured
@@ -32,7 +32,7 @@ from helpers.model import MODEL_SIZES, gpt2_param_count
 PAGE = REPO_ROOT / "notebooks" / "README.md"   # the page that shows the table markdown() writes
 # A cell that starts rank processes (helpers' programs, or a notebook's own shown script under torchrun or the
 # deepspeed launcher): its seconds are CPU ranks on a one-GPU Colab too, not kernel time the GPU would shorten.
-RANK_LAUNCHES = ("run_program(", "pipeline.run(", "torchrun(", 'launch("')   # 01's run("torchrun", 1 rank) keeps the GPU
+RANK_LAUNCHES = ("run_program(", "pipeline.run(", "torchrun(", 'launch("', "run_script(")   # 01's run("torchrun", 1 rank) keeps the GPU
 GPU_MODEL_GROWTH = {"03": ("tiny", "small"), "08": ("tiny", "small"), "09": ("tiny", "small")}   # notebook -> (CPU model, GPU model) where auto_model_size differs
 
 

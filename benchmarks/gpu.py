@@ -8,7 +8,7 @@
 1. prepare (benchmarks.gpu_prepare): TORCH_CUDA_ARCH_LIST set to the GPU's plain capability, stale JIT locks
    removed, DeepSpeed's ops built once (natively, and at 7.5+PTX for the T4 lanes), the machine's facts;
 2. the notebooks, in lanes running at once, each lane a process at a time with its own TUTORIAL_RUN_DIR and a
-   copy of the built ops: all nine in the GPU's own precision, every failing cell recorded (not only the
+   copy of the built ops: all ten in the GPU's own precision, every failing cell recorded (not only the
    first); notebooks 01, 03, 05 and 06 again in T4 emulation lanes (fp16 forced, capability (7, 5), no bf16,
    15 GB, no flash or memory-efficient attention: benchmarks/t4_emulation/sitecustomize.py); and a programs
    lane: fp16 with dynamic loss scaling started at 2**32 (the first steps overflow: skipped, the scale moves,
@@ -37,7 +37,7 @@ PREPARE_CAP = 90
 NOTEBOOK_PHASE_CAP = 240
 BENCHMARK_CAP = 230      # its own deadline 10 s sooner: the table is written after every round, kept at a cap
 CAP_FACTOR, CAP_EXTRA, CAP_FLOOR = 1.3, 25, 45   # a notebook's cap from its stored CPU seconds
-NATIVE_LANES, T4_LANES = 5, 3
+NATIVE_LANES, T4_LANES = 6, 3
 T4_NOTEBOOKS = ("01", "03", "05", "06")
 T4_SITE = REPO_ROOT / "benchmarks" / "t4_emulation"
 T4_PROBE_CAP = 20       # one process: capability, bf16, precision, a 16 GB allocation refused
@@ -51,7 +51,7 @@ def stored_seconds() -> dict[str, float]:
     import nbformat
     from benchmarks.colab_time import cell_seconds
     return {p.stem: sum(cell_seconds(c) for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code")
-            for p in sorted((REPO_ROOT / "notebooks").glob("0*.ipynb"))}
+            for p in sorted((REPO_ROOT / "notebooks").glob("[0-9]*.ipynb"))}
 
 
 def notebook_cap(cpu_seconds: float) -> int:

@@ -152,7 +152,8 @@ def run_script(script: str | Path, n_ranks: int, *args: str, launcher: str = "to
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
-        return -9, proc.stdout.read()
+        output, _ = proc.communicate()   # what it printed before the timeout, kept by the first communicate()
+        return -9, output
     return proc.returncode, output
 
 

@@ -272,3 +272,39 @@ def remove_stale_locks(root: Path) -> list[Path]:
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
+
+
+def stuck_stack(code: str, env: dict[str, str], timeout: float = 120) -> list[tuple[str, str]]:
+    """Run `python -c code` and, once it stops moving, return where it waits: its stack as (file name, function)
+    pairs, innermost first, as `py-spy dump` would show it. The child dumps its stack on SIGUSR1 (faulthandler);
+    "stuck" is the same stack in two dumps a second apart. The child is killed afterwards. Raises TimeoutError
+    (with the last stack) if it is still moving after `timeout` seconds, or RuntimeError if it ends first."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+    prologue = ("import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=False); "
+                "print('registered', file=sys.stderr, flush=True); ")   # before it, SIGUSR1 would end the child
+    child = subprocess.Popen([sys.executable, "-c", prologue + code], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    dumps, deadline = [], time.monotonic() + timeout
+    try:
+        if child.stderr.readline().strip() != "registered":
+            raise RuntimeError("the process ended before it could report its stack")
+        os.set_blocking(child.stderr.fileno(), False)
+        while time.monotonic() < deadline and child.poll() is None:
+            time.sleep(1)
+            child.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)
+            text = child.stderr.read() or ""
+            if "most recent call first" in text:
+                dumps.append(re.findall(r'File "(?:.*/)?([^/"]+)", line \d+ in (\S+)', text.split("most recent call first")[-1]))
+            if len(dumps) >= 2 and dumps[-1] == dumps[-2] and dumps[-1]:
+                return dumps[-1]
+        if child.poll() is not None:
+            raise RuntimeError(f"the process ended (exit code {child.returncode}) before it was stuck")
+        raise TimeoutError(f"still moving after {timeout} s; last stack: {dumps[-1] if dumps else None}")
+    finally:
+        child.kill()
+        child.wait()

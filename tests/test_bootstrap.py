@@ -1,4 +1,4 @@
-"""The first cell of every notebook (clone and set up on Colab, find helpers/ elsewhere): one text in all nine,
+"""The first cell of every notebook (clone and set up on Colab, find helpers/ elsewhere): one text in all ten,
 and its set-up output reaches the reader line by line while the set-up runs (minutes on Colab), not at the end."""
 import ast
 import subprocess

@@ -7,7 +7,8 @@ def test_every_stored_notebook_has_its_cell_timings_and_the_estimate_is_a_range(
     rows = colab_time.estimate(cpu_peak_tflops=0.4)
     assert [r["notebook"] for r in rows] == ["01_setup", "02_dataset", "03_trainer", "04_zero_stages",
                                              "05_memory_tricks", "06_advanced_features", "07_tensor_sequence_parallel",
-                                             "08_bigger_than_one_device", "09_past_the_notebook"]
+                                             "08_bigger_than_one_device", "09_past_the_notebook",
+                                             "10_when_it_breaks"]
     for r in rows:
         assert r["here s"] > 0 and r["here s"] == r["rank programs s"] + r["in the kernel s"], r
         low, high = r["T4 estimate s"]

@@ -16,7 +16,7 @@ from helpers import REPO_ROOT
 from helpers.hardware import GPUS, MATRIX_GPUS
 from helpers.runtime import remove_stale_locks
 
-NOTEBOOKS = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("0*.ipynb"))
+NOTEBOOKS = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9]*.ipynb"))
 BF16_GPUS = [g for g in (*MATRIX_GPUS, "H100 80GB") if GPUS[g]["capability"] >= (8, 0)]
 
 
@@ -30,7 +30,7 @@ def test_the_plan_runs_every_notebook_the_t4_four_and_the_benchmark_within_the_b
     planned = gpu.plan(tmp_path, GPUS[name]["capability"], GPUS[name]["memory_gb"])
     native = [j["name"] for lane in planned["lanes"] if lane["name"].startswith("native") for j in lane["jobs"]]
     t4 = [j["name"] for lane in planned["lanes"] if lane["t4"] for j in lane["jobs"] if j["name"] != "T4 emulation probe"]
-    assert sorted(native) == NOTEBOOKS and len(NOTEBOOKS) == 9
+    assert sorted(native) == NOTEBOOKS and len(NOTEBOOKS) == 10
     assert sorted(s[:2] for s in t4) == sorted(gpu.T4_NOTEBOOKS)
     over = {lane["name"]: gpu.lane_cap_sum(lane) for lane in planned["lanes"] if gpu.lane_cap_sum(lane) > planned["lanes_cap"]}
     assert not over, (f"lanes over the {planned['lanes_cap']} s phase cap: {over}; each notebook's cap comes from its "

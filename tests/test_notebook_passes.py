@@ -37,18 +37,22 @@ def test_a_cell_stored_with_two_stdout_outputs_passes_both_passes(tmp_path):
 def test_a_notebook_that_never_reads_the_precision_runs_once(tmp_path):
     """No code cell names the precision or a helper that picks one (tests/passes.py): a second pass would repeat
     the first, so there is none. The same cell reading the precision gets its second pass."""
-    for source, items in (("print('same')", "4 passed"), ("print('same')\nrt.precision if False else None", "6 passed")):
+    probes = []
+    for name, source in (("same", "print('same')"), ("reads", "print('same')\nrt.precision if False else None")):
         cell = nbformat.v4.new_code_cell(source)
         cell.execution_count, cell.outputs = 1, [nbformat.v4.new_output("stream", name="stdout", text="same\n")]
-        nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "probe.ipynb")
-        run = run_probe(tmp_path / "probe.ipynb")
-        assert items in run.stdout and "failed" not in run.stdout, (source, run.stdout[-3000:])
+        nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / f"{name}.ipynb")
+        probes.append(tmp_path / f"{name}.ipynb")
+    run = run_probe(*probes)
+    # same.ipynb: its cell between the repository snapshot and check (3); reads.ipynb: also the switch and the
+    # cell again (5); test_nothing (1). A second pass of same.ipynb would make it 11.
+    assert "9 passed" in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]
 
 
-def run_probe(notebook):
-    """pytest on the probe notebook from the repository root, with tests/conftest.py loaded (test_nothing)."""
+def run_probe(*notebooks):
+    """pytest on the probe notebooks from the repository root, with tests/conftest.py loaded (test_nothing)."""
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", f"--rootdir={ROOT}",
-                           "-c", str(ROOT / "pyproject.toml"), str(notebook),
+                           "-c", str(ROOT / "pyproject.toml"), *map(str, notebooks),
                            "tests/test_notebook_passes.py::test_nothing"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 

@@ -193,3 +193,12 @@ def test_compile_problem_is_none_where_inductor_builds_and_one_line_where_it_can
     if not torch.cuda.is_available():       # a device this torch cannot run: the reason, in one line
         why = compile_problem("cuda")
         assert why.startswith("torch.compile failed on cuda: ") and "\n" not in why
+
+
+def test_stuck_stack_names_where_a_stuck_process_waits_and_refuses_one_that_ends():
+    import os
+    from helpers.runtime import stuck_stack
+    waits = "import time\ndef wait_here():\n    while True:\n        time.sleep(0.1)\nwait_here()"
+    assert stuck_stack(waits, dict(os.environ))[0] == ("<string>", "wait_here")
+    with pytest.raises(RuntimeError, match="ended"):
+        stuck_stack("print('done')", dict(os.environ))
