@@ -20,6 +20,15 @@ def other_precision() -> str:
     return "bf16" if detect().precision == "fp32" else "fp32"
 
 
+def other_precision_emulated() -> bool:
+    """Whether the other precision is bf16 on a CPU without bf16 instructions (avx512_bf16, amx_bf16), where torch
+    emulates it 13-30x slower than fp32. There the second notebook pass is left out and the restart test runs in
+    the rule's precision: measured on a 2-core AMD EPYC without them, the emulated passes took CI from about 45 to
+    about 85 minutes (the hard limit is 90). CPUs with the instructions run the bf16 path."""
+    from helpers.precision import CPU_BF16_FLAGS, cpu_flags
+    return other_precision() == "bf16" and not set(CPU_BF16_FLAGS) & cpu_flags()
+
+
 def is_section_heading(cell) -> bool:
     return cell.cell_type == "markdown" and cell.source.startswith("## ")
 
