@@ -77,6 +77,14 @@ def test_every_program_takes_the_one_flag(program, capsys):
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
 
 
+def test_every_program_reads_top_to_bottom():
+    """Like nanoGPT's train.py: its options (parse), then main, then what main calls (helpers/programs/README.md)."""
+    import ast
+    for path in sorted((ROOT / "helpers" / "programs").glob("[!_]*.py")):
+        defs = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert defs[:2] == ["parse", "main"], f"{path.name}: put main right after parse (it has {defs[:3]})"
+
+
 # ---- rank_process ----
 
 def run_fresh(code: str) -> dict:

@@ -61,6 +61,23 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None):
+    a = parse(argv)
+    if a.steps < 3:
+        raise SystemExit(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
+    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
+    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
+    if a.zeropp is not None:
+        write_result(a.out, zeropp_trial(a, data, n_params))
+    else:
+        write_result(a.out, {"runs": [run_dtype(a, d, data, n_params) for d in a.dtypes]})
+    # Not runtime.rank_process: the trainer joins the group after validating, and a refused ZeRO++ trial makes none.
+    if torch.distributed.is_initialized():   # not when the validator refused before any engine
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+
+
 def gradient_collectives(logged: dict) -> dict:
     """The part of `comms.logged()` output that carries gradients: reductions of more than one number."""
     return {op: {size: count for size, count in sizes.items() if int(size) > SCALAR_BYTES}
@@ -105,23 +122,6 @@ def run_dtype(a, dtype: str, data, n_params: int) -> dict:
         "losses": [m["loss"] for m in trainer.history], "step_s": [m["step_s"] for m in timed]}
     trainer.engine.destroy()   # release hooks and buffers before the next engine
     return result
-
-
-def main(argv=None):
-    a = parse(argv)
-    if a.steps < 3:
-        raise SystemExit(f"--steps={a.steps}: need at least 3 (a warm-up, a logged and a timed step)")
-    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
-    n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
-    n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
-    if a.zeropp is not None:
-        write_result(a.out, zeropp_trial(a, data, n_params))
-    else:
-        write_result(a.out, {"runs": [run_dtype(a, d, data, n_params) for d in a.dtypes]})
-    # Not runtime.rank_process: the trainer joins the group after validating, and a refused ZeRO++ trial makes none.
-    if torch.distributed.is_initialized():   # not when the validator refused before any engine
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 # ---- ZeRO++: quantized weights (qwZ), hierarchical partitioning (hpZ), quantized gradients (qgZ) ----

@@ -60,6 +60,37 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None):
+    # DeepSpeed's CPU all-reduce (shm_interface.cpp) sizes its shared-memory ring by LOCAL_SIZE, which only the
+    # deepspeed launcher sets; under torchrun it is missing and AutoTP's all-reduce segfaults. Set before init.
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    a = parse(argv)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        set_seed(a.seed)
+        precision = resolve_precision(a.precision)
+        ids, probe, tokenizer = prompts(a)   # the same prompts on every rank
+        device = deepspeed.get_accelerator().current_device_name()
+        plain = load_model(a).to(device, dtype(precision))   # the reference: the whole model on every rank
+        plain_tokens, plain_speed = timed_generate(plain, ids.to(plain.device), a.new_tokens)
+        with torch.no_grad():
+            plain_logits = plain(input_ids=probe.to(plain.device)).logits.float().cpu()
+        _, plain_margins = teacher_forced(plain, ids.to(plain.device), plain_tokens)
+        plain_bytes = parameter_bytes(plain)
+        del plain
+        served = {}
+        if "zero" in a.parts:
+            served["zero"] = zero_inference(a, precision, ids, probe, plain_tokens, plain_logits)
+        if "autotp" in a.parts:
+            served["autotp"] = autotp_inference(a, precision, ids, probe, plain_tokens, plain_logits, plain_margins)
+        write_result(a.out, {"plain": {"tokens": plain_tokens, "tokens_per_s": plain_speed, "bytes": plain_bytes},
+                             **served, "logit_tolerance": logit_tolerance(precision), "model": a.model,
+                             "weights": a.weights, "prompt": ids.tolist(), "texts": texts(tokenizer, ids, plain_tokens, served),
+                             "world_size": world, "tp_size": a.tp_size, "precision": precision,
+                             "device": deepspeed.get_accelerator().device_name(), "model_size": a.model_size,
+                             "vocab_size": a.vocab, "new_tokens": a.new_tokens, "batch": a.batch})
+
+
 def check_options(a, world_size: int) -> None:
     """ValueError, before any rank starts, for what DeepSpeed would refuse or hang on inside one."""
     if a.model == "gpt2" and "autotp" in a.parts:
@@ -211,37 +242,6 @@ def texts(tokenizer, ids, plain_tokens: list, served: dict) -> dict | None:
     read = lambda rows: [tokenizer.decode(row) for row in rows]
     return {"prompt": read(ids.tolist()), "plain": read(plain_tokens),
             **{part: read(result["tokens"]) for part, result in served.items()}}
-
-
-def main(argv=None):
-    # DeepSpeed's CPU all-reduce (shm_interface.cpp) sizes its shared-memory ring by LOCAL_SIZE, which only the
-    # deepspeed launcher sets; under torchrun it is missing and AutoTP's all-reduce segfaults. Set before init.
-    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    a = parse(argv)
-    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
-        check_options(a, world)
-        set_seed(a.seed)
-        precision = resolve_precision(a.precision)
-        ids, probe, tokenizer = prompts(a)   # the same prompts on every rank
-        device = deepspeed.get_accelerator().current_device_name()
-        plain = load_model(a).to(device, dtype(precision))   # the reference: the whole model on every rank
-        plain_tokens, plain_speed = timed_generate(plain, ids.to(plain.device), a.new_tokens)
-        with torch.no_grad():
-            plain_logits = plain(input_ids=probe.to(plain.device)).logits.float().cpu()
-        _, plain_margins = teacher_forced(plain, ids.to(plain.device), plain_tokens)
-        plain_bytes = parameter_bytes(plain)
-        del plain
-        served = {}
-        if "zero" in a.parts:
-            served["zero"] = zero_inference(a, precision, ids, probe, plain_tokens, plain_logits)
-        if "autotp" in a.parts:
-            served["autotp"] = autotp_inference(a, precision, ids, probe, plain_tokens, plain_logits, plain_margins)
-        write_result(a.out, {"plain": {"tokens": plain_tokens, "tokens_per_s": plain_speed, "bytes": plain_bytes},
-                             **served, "logit_tolerance": logit_tolerance(precision), "model": a.model,
-                             "weights": a.weights, "prompt": ids.tolist(), "texts": texts(tokenizer, ids, plain_tokens, served),
-                             "world_size": world, "tp_size": a.tp_size, "precision": precision,
-                             "device": deepspeed.get_accelerator().device_name(), "model_size": a.model_size,
-                             "vocab_size": a.vocab, "new_tokens": a.new_tokens, "batch": a.batch})
 
 
 if __name__ == "__main__":

@@ -49,6 +49,31 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None):
+    a = parse(argv)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        set_seed(a.seed)
+        precision = resolve_precision(a.precision)
+        data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
+        models = {"moe": MoEGPT(data.vocab_size, a.seq_len, a.model_size, a.num_experts, a.k, a.ep_size,
+                                a.capacity_factor, aux_loss_coef=a.aux_loss_coef, seed=a.seed),
+                  "dense": dense_twin(data.vocab_size, a.seq_len, a.model_size, a.k, seed=a.seed)}
+        runs = train_side_by_side(models, a, data, precision, world)
+        engine, result = runs["moe"]
+        result.update(held=moe.count_params(engine.module, a.k), **held_experts(engine.module),
+                      formula=moe.moe_param_counts(data.vocab_size, a.seq_len, *MODEL_SIZES[a.model_size][:2],
+                                                   a.num_experts, a.k, a.ep_size))
+        runs["dense"][1]["params"] = sum(p.numel() for p in runs["dense"][0].module.parameters())
+        settings = {k: v for k, v in vars(a).items() if k != "out"}
+        write_result(a.out, {"settings": {**settings, "world_size": world, "precision": precision,
+                                          "vocab_size": data.vocab_size, "floor_nats": data.floor_nats,
+                                          "tokens_per_rank_step": a.micro_batch * a.seq_len},
+                             **{name: record for name, (_, record) in runs.items()}})
+        for engine, _ in runs.values():
+            engine.destroy()
+
+
 # ---- the model ----
 
 class ContiguousExpert(nn.Module):
@@ -239,31 +264,6 @@ def train_side_by_side(models: dict, a, data, precision: str, world: int) -> dic
         for engine, batches, record in runs.values():
             record["history"] += train(engine, batches, 1)
     return {name: (engine, record) for name, (engine, _, record) in runs.items()}
-
-
-def main(argv=None):
-    a = parse(argv)
-    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
-        check_options(a, world)
-        set_seed(a.seed)
-        precision = resolve_precision(a.precision)
-        data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
-        models = {"moe": MoEGPT(data.vocab_size, a.seq_len, a.model_size, a.num_experts, a.k, a.ep_size,
-                                a.capacity_factor, aux_loss_coef=a.aux_loss_coef, seed=a.seed),
-                  "dense": dense_twin(data.vocab_size, a.seq_len, a.model_size, a.k, seed=a.seed)}
-        runs = train_side_by_side(models, a, data, precision, world)
-        engine, result = runs["moe"]
-        result.update(held=moe.count_params(engine.module, a.k), **held_experts(engine.module),
-                      formula=moe.moe_param_counts(data.vocab_size, a.seq_len, *MODEL_SIZES[a.model_size][:2],
-                                                   a.num_experts, a.k, a.ep_size))
-        runs["dense"][1]["params"] = sum(p.numel() for p in runs["dense"][0].module.parameters())
-        settings = {k: v for k, v in vars(a).items() if k != "out"}
-        write_result(a.out, {"settings": {**settings, "world_size": world, "precision": precision,
-                                          "vocab_size": data.vocab_size, "floor_nats": data.floor_nats,
-                                          "tokens_per_rank_step": a.micro_batch * a.seq_len},
-                             **{name: record for name, (_, record) in runs.items()}})
-        for engine, _ in runs.values():
-            engine.destroy()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,33 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None):
+    a = parse(argv)
+    quiet_deepspeed()
+    # PipelineModule copies the tied weight into place with an in-place broadcast on the Parameter, and
+    # from then on every backward warns that broadcast_ has no autograd kernel. The gradient reaching
+    # the weight is unaffected (the loss matches the unsplit run to the bit), so keep the logs readable.
+    warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+    # Not runtime.rank_process: its init_single_process would also probe DeepSpeed's ops and hide init's stdout (the logs).
+    deepspeed.init_distributed(verbose=False)   # rank and rendezvous from the launcher's environment
+    check_options(a, torch.distributed.get_world_size())
+    # Enough samples that no step of the largest m reuses one.
+    data = SyntheticTextDataset("markov", n_samples=a.steps * max(a.micro_batches) * a.micro_batch,
+                                seq_len=a.seq_len, seed=a.seed)
+    set_seed(a.seed)
+    train = train_unsplit if a.unsplit else train_pipeline
+    runs = [train(a, m, data) for m in a.micro_batches]
+    config = model_config(a, data.vocab_size)
+    write_result(a.out, {
+        "runs": runs, "unsplit": a.unsplit, "device": str(torch.device(deepspeed.get_accelerator().device_name())),
+        "torch_threads": torch.get_num_threads(), "vocab_size": data.vocab_size,
+        "model": {"n_layer": config.n_layer, "n_embd": config.n_embd, "n_positions": config.n_positions},
+        "layer_param_formula": layer_param_formula(config),
+        "data_sha1": hashlib.sha1(data[:]["input_ids"].numpy().tobytes()).hexdigest()})
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+
+
 def check_options(a, world_size: int) -> None:
     """ValueError, before any rank starts, for what would otherwise fail inside a rank."""
     for m in a.micro_batches:
@@ -249,33 +276,6 @@ def save_weights(module, out_dir, name: str) -> str:
     path = Path(out_dir) / name
     torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, path)
     return str(path)
-
-
-def main(argv=None):
-    a = parse(argv)
-    quiet_deepspeed()
-    # PipelineModule copies the tied weight into place with an in-place broadcast on the Parameter, and
-    # from then on every backward warns that broadcast_ has no autograd kernel. The gradient reaching
-    # the weight is unaffected (the loss matches the unsplit run to the bit), so keep the logs readable.
-    warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
-    # Not runtime.rank_process: its init_single_process would also probe DeepSpeed's ops and hide init's stdout (the logs).
-    deepspeed.init_distributed(verbose=False)   # rank and rendezvous from the launcher's environment
-    check_options(a, torch.distributed.get_world_size())
-    # Enough samples that no step of the largest m reuses one.
-    data = SyntheticTextDataset("markov", n_samples=a.steps * max(a.micro_batches) * a.micro_batch,
-                                seq_len=a.seq_len, seed=a.seed)
-    set_seed(a.seed)
-    train = train_unsplit if a.unsplit else train_pipeline
-    runs = [train(a, m, data) for m in a.micro_batches]
-    config = model_config(a, data.vocab_size)
-    write_result(a.out, {
-        "runs": runs, "unsplit": a.unsplit, "device": str(torch.device(deepspeed.get_accelerator().device_name())),
-        "torch_threads": torch.get_num_threads(), "vocab_size": data.vocab_size,
-        "model": {"n_layer": config.n_layer, "n_embd": config.n_embd, "n_positions": config.n_positions},
-        "layer_param_formula": layer_param_formula(config),
-        "data_sha1": hashlib.sha1(data[:]["input_ids"].numpy().tobytes()).hexdigest()})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 if __name__ == "__main__":

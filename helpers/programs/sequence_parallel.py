@@ -51,6 +51,28 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None):
+    a = parse(argv)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        set_seed(a.seed)
+        precision = resolve_precision(a.precision)
+        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
+        attention = None
+        # Ulysses for HF: swap the model's SDPA attention for Ulysses' (every model built from here on) and make the
+        # sequence-parallel groups; the `mpu` it returns hands them to deepspeed.initialize. Once per process.
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=build_llama(data.vocab_size, a.seq_len, a.model_size), core_attn_implementation="sdpa",
+            sequence_parallel_size=a.sp_size, micro_batch_size=a.micro_batch, seq_length_is_variable=True)
+        if a.sp_size > 1:
+            attention = attention_check(a, mpu.get_sequence_parallel_group())
+        runs = [run_stage(a, stage, data, precision, mpu) for stage in a.stages]
+        write_result(a.out, {"runs": runs, "attention_check": attention, "world_size": world, "sp_size": a.sp_size,
+                             "device": deepspeed.get_accelerator().device_name(),
+                             "precision": precision, "vocab_size": data.vocab_size, "seq_len": a.seq_len,
+                             "micro_batch": a.micro_batch, "model_size": a.model_size, "lengths": a.lengths})
+
+
 def check_options(a, world_size: int) -> None:
     """ValueError, before any rank starts, for what DeepSpeed would refuse inside one."""
     if world_size % a.sp_size:
@@ -200,28 +222,6 @@ def run_stage(a, stage: int, data, precision: str, mpu) -> dict:
               "config": config}
     engine.destroy()
     return result
-
-
-def main(argv=None):
-    a = parse(argv)
-    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
-        check_options(a, world)
-        set_seed(a.seed)
-        precision = resolve_precision(a.precision)
-        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
-        attention = None
-        # Ulysses for HF: swap the model's SDPA attention for Ulysses' (every model built from here on) and make the
-        # sequence-parallel groups; the `mpu` it returns hands them to deepspeed.initialize. Once per process.
-        mpu = UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=build_llama(data.vocab_size, a.seq_len, a.model_size), core_attn_implementation="sdpa",
-            sequence_parallel_size=a.sp_size, micro_batch_size=a.micro_batch, seq_length_is_variable=True)
-        if a.sp_size > 1:
-            attention = attention_check(a, mpu.get_sequence_parallel_group())
-        runs = [run_stage(a, stage, data, precision, mpu) for stage in a.stages]
-        write_result(a.out, {"runs": runs, "attention_check": attention, "world_size": world, "sp_size": a.sp_size,
-                             "device": deepspeed.get_accelerator().device_name(),
-                             "precision": precision, "vocab_size": data.vocab_size, "seq_len": a.seq_len,
-                             "micro_batch": a.micro_batch, "model_size": a.model_size, "lengths": a.lengths})
 
 
 if __name__ == "__main__":

@@ -53,6 +53,20 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None):
+    a = parse(argv)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        set_seed(a.seed)
+        precision = resolve_precision(a.precision)
+        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
+        runs = [run_stage(a, stage, data, precision, world // a.tp_size) for stage in a.stages]
+        write_result(a.out, {"runs": runs, "world_size": world, "tp_size": a.tp_size, "precision": precision,
+                             "device": deepspeed.get_accelerator().device_name(),
+                             "vocab_size": data.vocab_size, "seq_len": a.seq_len, "micro_batch": a.micro_batch,
+                             "model_size": a.model_size})
+
+
 def check_options(a, world_size: int) -> None:
     """ValueError, before any rank starts, for what DeepSpeed would refuse inside one."""
     if world_size % a.tp_size:
@@ -169,20 +183,6 @@ def run_stage(a, stage: int, data, precision: str, replicas: int) -> dict:
     result["resumed_losses"] = train(resumed, batches, a.steps - half, {"losses": [], "grad_norms": []})["losses"]
     resumed.destroy()
     return result
-
-
-def main(argv=None):
-    a = parse(argv)
-    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
-        check_options(a, world)
-        set_seed(a.seed)
-        precision = resolve_precision(a.precision)
-        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
-        runs = [run_stage(a, stage, data, precision, world // a.tp_size) for stage in a.stages]
-        write_result(a.out, {"runs": runs, "world_size": world, "tp_size": a.tp_size, "precision": precision,
-                             "device": deepspeed.get_accelerator().device_name(),
-                             "vocab_size": data.vocab_size, "seq_len": a.seq_len, "micro_batch": a.micro_batch,
-                             "model_size": a.model_size})
 
 
 if __name__ == "__main__":

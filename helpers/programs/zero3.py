@@ -64,6 +64,36 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None):
+    a = parse(argv)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        precision = resolve_precision(a.precision)
+        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
+        if a.vocab < data.vocab_size:
+            raise ValueError(f"--vocab {a.vocab} is smaller than the data's {data.vocab_size} tokens: "
+                             f"use --vocab >= {data.vocab_size}")
+        runs = []
+        for name in a.knobs:
+            config = zero3_config(a, precision, world, KNOBS[name])
+            save_config(a.out, name, config)
+            model, built = build_partitioned(a, config)
+            run = {"knobs": name, "config": config, **built, "held": partition_elements(model)}
+            if not runs:
+                run["gathered"] = gather_and_change(model)
+            engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+            live = live_elements(engine.module)
+            batches = ResumableBatches(data, a.micro_batch, a.seed, rank=torch.distributed.get_rank(), world_size=world)
+            run.update(train(engine, batches, a.steps, live), held_after=partition_elements(engine.module))
+            if not runs:
+                run["saved"] = save_both(engine, Path(a.out))
+            runs.append(run)
+            engine.destroy()
+        plain = plain_build(a)
+        write_result(a.out, {"runs": runs, "plain_build_bytes": plain, "world_size": world, "precision": precision,
+                             "vocab_size": a.vocab, "data_vocab_size": data.vocab_size, "seq_len": a.seq_len,
+                             "model_size": a.model_size, "micro_batch": a.micro_batch})
+
+
 def zero3_config(a, precision: str, world: int, knobs: dict) -> dict:
     config = build_config(micro_batch=a.micro_batch, world_size=world, zero_stage=3, precision=precision, lr=a.lr,
                           warmup_steps=1, total_steps=2 * a.steps, torch_adam=True, device=detect().device,
@@ -184,36 +214,6 @@ def save_both(engine, out: Path) -> dict:
     engine.save_16bit_model(out / "16bit")   # every rank must call it: they all send their partitions
     engine.save_checkpoint(out / "checkpoint", tag="final")
     return {"16bit": str(out / "16bit" / "pytorch_model.bin"), "checkpoint": str(out / "checkpoint")}
-
-
-def main(argv=None):
-    a = parse(argv)
-    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
-        precision = resolve_precision(a.precision)
-        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
-        if a.vocab < data.vocab_size:
-            raise ValueError(f"--vocab {a.vocab} is smaller than the data's {data.vocab_size} tokens: "
-                             f"use --vocab >= {data.vocab_size}")
-        runs = []
-        for name in a.knobs:
-            config = zero3_config(a, precision, world, KNOBS[name])
-            save_config(a.out, name, config)
-            model, built = build_partitioned(a, config)
-            run = {"knobs": name, "config": config, **built, "held": partition_elements(model)}
-            if not runs:
-                run["gathered"] = gather_and_change(model)
-            engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-            live = live_elements(engine.module)
-            batches = ResumableBatches(data, a.micro_batch, a.seed, rank=torch.distributed.get_rank(), world_size=world)
-            run.update(train(engine, batches, a.steps, live), held_after=partition_elements(engine.module))
-            if not runs:
-                run["saved"] = save_both(engine, Path(a.out))
-            runs.append(run)
-            engine.destroy()
-        plain = plain_build(a)
-        write_result(a.out, {"runs": runs, "plain_build_bytes": plain, "world_size": world, "precision": precision,
-                             "vocab_size": a.vocab, "data_vocab_size": data.vocab_size, "seq_len": a.seq_len,
-                             "model_size": a.model_size, "micro_batch": a.micro_batch})
 
 
 if __name__ == "__main__":

@@ -43,14 +43,6 @@ NO_LIBAIO = ("NVMe offload needs DeepSpeed's async_io op, which cannot be built 
              "install it (apt-get install libaio-dev) and run again, or offload to 'cpu' only")
 
 
-def nvme_available() -> bool:
-    """Whether DeepSpeed's async_io op (libaio) can be built on this machine: what NVMe offload needs. DeepSpeed's
-    own test (AsyncIOBuilder.is_compatible), run in a fresh interpreter: it compiles a probe with stderr redirected
-    by file descriptor, and in a notebook kernel whose stderr has none (nbval's) it answers False, whatever is installed."""
-    probe = "from deepspeed.ops.op_builder import AsyncIOBuilder as B; raise SystemExit(0 if B().is_compatible() else 1)"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
-
-
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -64,6 +56,34 @@ def parse(argv=None):
     add_precision_flag(p)
     p.add_argument("--seed", type=integer(0), default=0)
     return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse(argv)
+    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
+        check_options(a, world)
+        rt = detect()
+        precision = resolve_precision(a.precision, rt)
+        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
+        if data.vocab_size > a.vocab:
+            raise ValueError(f"vocab={a.vocab} is under the data vocab {data.vocab_size}: use vocab >= {data.vocab_size}")
+        if process_rank() == 0:   # DeepSpeed clears its parameter folders, not the optimizer's: start empty
+            shutil.rmtree(Path(a.out) / "nvme", ignore_errors=True)
+        torch.distributed.barrier()
+        runs = {kind: run(a, kind, data, precision) for kind in ("cpu", "nvme")}
+        write_result(a.out, {"runs": runs, "losses_equal": runs["cpu"]["losses"] == runs["nvme"]["losses"],
+                             "world_size": world, "precision": precision, "device": rt.device,
+                             "model_size": a.model_size, "vocab_size": a.vocab, "data_vocab_size": data.vocab_size,
+                             "seq_len": a.seq_len, "micro_batch": a.micro_batch, "steps": a.steps,
+                             "nvme_path": str((Path(a.out) / "nvme").resolve())})
+
+
+def nvme_available() -> bool:
+    """Whether DeepSpeed's async_io op (libaio) can be built on this machine: what NVMe offload needs. DeepSpeed's
+    own test (AsyncIOBuilder.is_compatible), run in a fresh interpreter: it compiles a probe with stderr redirected
+    by file descriptor, and in a notebook kernel whose stderr has none (nbval's) it answers False, whatever is installed."""
+    probe = "from deepspeed.ops.op_builder import AsyncIOBuilder as B; raise SystemExit(0 if B().is_compatible() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
 def check_options(a, world_size: int) -> None:
@@ -176,26 +196,6 @@ def run(a, kind: str, data, precision: str) -> dict:
               "zero_config": config["zero_optimization"], "aio": config.get("aio")}
     engine.destroy()
     return result
-
-
-def main(argv=None):
-    a = parse(argv)
-    with rank_process() as world:   # quiet logs, the launcher's group; at the end a barrier and the group's end
-        check_options(a, world)
-        rt = detect()
-        precision = resolve_precision(a.precision, rt)
-        data = SyntheticTextDataset("markov", n_samples=256, seq_len=a.seq_len, seed=a.seed)
-        if data.vocab_size > a.vocab:
-            raise ValueError(f"vocab={a.vocab} is under the data vocab {data.vocab_size}: use vocab >= {data.vocab_size}")
-        if process_rank() == 0:   # DeepSpeed clears its parameter folders, not the optimizer's: start empty
-            shutil.rmtree(Path(a.out) / "nvme", ignore_errors=True)
-        torch.distributed.barrier()
-        runs = {kind: run(a, kind, data, precision) for kind in ("cpu", "nvme")}
-        write_result(a.out, {"runs": runs, "losses_equal": runs["cpu"]["losses"] == runs["nvme"]["losses"],
-                             "world_size": world, "precision": precision, "device": rt.device,
-                             "model_size": a.model_size, "vocab_size": a.vocab, "data_vocab_size": data.vocab_size,
-                             "seq_len": a.seq_len, "micro_batch": a.micro_batch, "steps": a.steps,
-                             "nvme_path": str((Path(a.out) / "nvme").resolve())})
 
 
 if __name__ == "__main__":

@@ -54,6 +54,18 @@ def parse(argv=None):
     return a
 
 
+def main(argv=None):
+    """What each of the N processes runs. torchrun starts them with RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT set; the first deepspeed.initialize (in `train`) joins them into one process group."""
+    a = parse(argv)
+    rt = detect()            # the device (a CPU here, gloo) and the precision this machine trains in
+    set_up_process(rt)       # quiet logs; plain `python -m` instead of torchrun: a 1-rank job
+    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)   # the same on every rank
+    write_result(a.out, {"stages": [run_stage(a, {"stage": s}, data, rt) for s in a.stages]})
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+
+
 # DeepSpeed's defaults differ from the paper's algorithm in two places (measured in notebook 04):
 # ZeRO-1/2 average gradients with all-reduce buckets (use_multi_rank_bucket_allreduce) instead of
 # reducing each partition to its owner, and ZeRO-3 keeps a gathered parameter alive from forward to
@@ -208,18 +220,6 @@ def run_here(block: dict, data, out, **options) -> dict:
     rt = detect()
     set_up_process(rt)
     return run_stage(a, block, data, rt)
-
-
-def main(argv=None):
-    """What each of the N processes runs. torchrun starts them with RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT set; the first deepspeed.initialize (in `train`) joins them into one process group."""
-    a = parse(argv)
-    rt = detect()            # the device (a CPU here, gloo) and the precision this machine trains in
-    set_up_process(rt)       # quiet logs; plain `python -m` instead of torchrun: a 1-rank job
-    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)   # the same on every rank
-    write_result(a.out, {"stages": [run_stage(a, {"stage": s}, data, rt) for s in a.stages]})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
 
 
 if __name__ == "__main__":
