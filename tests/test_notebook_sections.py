@@ -6,6 +6,9 @@ did not pick: nbval's first pass ran the section in the other one, after every e
 pass leaves these sections out (tests/passes.py). The first ↻ section is not run here: setup cells and then it
 is how the full pass starts, in a fresh kernel too. Like them, it creates no file inside the repository:
 everything goes under the run directory ($TUTORIAL_RUN_DIR).
+Where the other precision is emulated bf16 (tests/passes.py) the run would repeat the first pass's computation in
+the same precision, minutes of CI for the restart alone: there a reading of the code stands in for it (every name
+a section reads is defined by the setup cells or the section), which runs on every machine.
 """
 from pathlib import Path
 
@@ -13,8 +16,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.passes import (RESTART_MARK, is_section_heading, other_precision, other_precision_emulated, restart_points,
-                          restart_tested, section_end)
+from tests.passes import (RESTART_MARK, is_section_heading, names_a_restart_lacks, other_precision,
+                          other_precision_emulated, restart_points, restart_tested, section_end)
 from tests.repository import ROOT, repo_files
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
@@ -51,9 +54,27 @@ SECTIONS = [(path, i) for path in NOTEBOOKS for i in restart_tested(nbformat.rea
 
 
 @pytest.mark.parametrize("path, start", SECTIONS, ids=[f"{p.stem}-cell{i}" for p, i in SECTIONS])
+def test_marked_section_reads_only_names_the_setup_or_itself_defines(path, start):
+    assert names_a_restart_lacks(nbformat.read(path, as_version=4).cells, start) == set()
+
+
+def test_the_reading_names_what_an_earlier_section_defined():
+    """It can fail: a ↻ section reading a variable of the section before it, through a magic too."""
+    code, text = nbformat.v4.new_code_cell, nbformat.v4.new_markdown_cell
+    cells = [code("import os\nRUN = 'runs'"),
+             text("## 1 · First ↻", metadata={"tags": ["restart-point"]}), code("losses = [1.0]"),
+             text("## 2 · Second ↻", metadata={"tags": ["restart-point"]}),
+             code("def last(xs):\n    return xs[-1]\nprint(last(losses), os.sep, RUN)"),
+             code("%time total = sum(steps)")]
+    assert names_a_restart_lacks(cells, 3) == {"losses", "steps"}
+    assert names_a_restart_lacks(cells, 1) == set()
+
+
+@pytest.mark.skipif(other_precision_emulated(), reason="the other precision is emulated bf16: the run would repeat the "
+                    "first pass's computation; the reading of the code above stands in (tests/passes.py)")
+@pytest.mark.parametrize("path, start", SECTIONS, ids=[f"{p.stem}-cell{i}" for p, i in SECTIONS])
 def test_marked_section_runs_after_a_restart(path, start, tmp_path, monkeypatch):
     cells = nbformat.read(path, as_version=4).cells
     section = cells[:restart_points(cells)[0]] + cells[start:section_end(cells, start)]   # setup cells, then this one
-    if not other_precision_emulated():   # else the rule's precision: emulated bf16 is 13-30x slower (tests/passes.py)
-        monkeypatch.setenv("TUTORIAL_PRECISION", other_precision())   # the kernel inherits it
+    monkeypatch.setenv("TUTORIAL_PRECISION", other_precision())   # the kernel inherits it
     assert execute(section, path, tmp_path, monkeypatch) == []
