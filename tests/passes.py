@@ -78,8 +78,8 @@ def names_a_restart_lacks(cells: list, start: int) -> set[str]:
     """The names the ↻ section at cells[start] reads that neither the setup cells (those before the first ↻) nor
     the section itself define: after a restart they raise NameError. Read from the code (IPython's magics
     turned into Python first), not run: what the restart test checks by running, on machines where it skips
-    (tests/test_notebook_sections.py). It sees names, not files: a section reading another one's files is
-    only caught by running it."""
+    (tests/test_notebook_sections.py). It sees names, not files or order: a section reading another one's
+    files, or a name before its own later cell defines it, is only caught by running it."""
     setup, section = cells[:restart_points(cells)[0]], cells[start:section_end(cells, start)]
     trees = {id(c): python_of(c.source) for c in setup + section if c.cell_type == "code"}
     defined = set(dir(builtins)) | IPYTHON_NAMES
