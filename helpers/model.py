@@ -13,7 +13,7 @@ def auto_model_size(runtime) -> str:
     """Small enough to train in a minute here: tiny on a CPU, larger on bigger GPUs."""
     if not runtime.is_gpu:
         return "tiny"
-    return "small" if runtime.memory_gb < 24 else "base"
+    return "small" if runtime.memory_gib < 24 else "base"   # a 24 GB card has 22.5 GiB: small
 
 
 def build_model(vocab_size: int, n_positions: int, size: str = "tiny", pad_token_id: int | None = None,

@@ -22,7 +22,7 @@ class Runtime:
     device: str                 # "cuda" or "cpu"
     device_name: str
     capability: tuple | None    # CUDA compute capability, e.g. (7, 5) for a T4
-    memory_gb: float            # device memory (GPU) or host RAM (CPU)
+    memory_gib: float           # device memory (GPU) or host RAM (CPU), in GiB (2**30 B) as torch and psutil count
     precision: str              # "bf16", "fp16" or "fp32"
     reason: str                 # one sentence: why this precision
     matmul_tflops: dict | None = None   # CPU: the measurement behind the choice, {"fp32": .., "bf16": ..}
@@ -181,7 +181,7 @@ def environment_report(runtime: Runtime) -> dict[str, str]:
     return {"Python": sys.version.split()[0], "torch": torch.__version__,
             "CUDA (torch build)": torch.version.cuda or "none (CPU build)",
             "device": runtime.device_name, "compute capability": cap,
-            "memory": f"{runtime.memory_gb:.1f} GiB", "DeepSpeed": deepspeed.__version__,
+            "memory": f"{runtime.memory_gib:.1f} GiB", "DeepSpeed": deepspeed.__version__,
             "DeepSpeed accelerator": get_accelerator().device_name(),
             "communication backend": get_accelerator().communication_backend_name(),
             "precision": f"{runtime.precision}: {runtime.reason}"}
