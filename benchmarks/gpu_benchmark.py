@@ -499,15 +499,21 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+REPEAT_S = 0.05   # the deadline's alarm, again until it stops the run
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, started: float):
     """SIGALRM `seconds` after `started` (time.monotonic()) raises DeadlineReached in the main thread (only there can a
-    signal be handled; elsewhere only the rounds' own check before each round holds the deadline)."""
+    signal be handled; elsewhere only the rounds' own check before each round holds the deadline). The alarm
+    repeats every REPEAT_S until the block is left: a raise that lands in a finalizer (a `__del__` that garbage
+    collection runs) is printed as "Exception ignored" and lost, and the run would go on past its deadline."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
+        signal.setitimer(signal.ITIMER_REAL, REPEAT_S)   # again, unless this raise leaves the block
         raise DeadlineReached(f"the {seconds:g} s deadline")
     previous = signal.signal(signal.SIGALRM, handler)
     try:
