@@ -312,8 +312,8 @@ def timed_block(contender, steps: int, device: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
-            "held_mib": held / 2**20 if cuda else None}
+    return {"wall_s": wall, "peak_mb": torch.cuda.max_memory_allocated() / 1e6 if cuda else None,
+            "held_mb": held / 1e6 if cuda else None}
 
 
 def counted_step(contender, device: str) -> int | None:
@@ -367,7 +367,7 @@ class Run:
         self.vocab_size = None
 
     def reset_rows(self) -> None:
-        self.rows = {n: {"warmup_s": None, "blocks": {}, "syncs_per_step": None, "state_mib": None, "losses": []}
+        self.rows = {n: {"warmup_s": None, "blocks": {}, "syncs_per_step": None, "state_mb": None, "losses": []}
                      for n in self.names}
 
     def summary(self) -> dict:
@@ -384,10 +384,10 @@ class Run:
                  "vs_plain": paired(walls, plain), "vs_plain_compiled": None,
                  "mfu_measured": rate * fpt / peak if rate and peak else None,
                  "mfu_datasheet": rate * fpt / self.datasheet if rate and self.datasheet else None,
-                 "syncs_per_step": row["syncs_per_step"], "state_mib": row["state_mib"],
-                 "peak_mib": max((b["peak_mib"] for b in walls.values() if b["peak_mib"] is not None), default=None),
-                 "working_mib": max((b["peak_mib"] - b["held_mib"] for b in walls.values()
-                                     if b["peak_mib"] is not None), default=None),
+                 "syncs_per_step": row["syncs_per_step"], "state_mb": row["state_mb"],
+                 "peak_mb": max((b["peak_mb"] for b in walls.values() if b["peak_mb"] is not None), default=None),
+                 "working_mb": max((b["peak_mb"] - b["held_mb"] for b in walls.values()
+                                     if b["peak_mb"] is not None), default=None),
                  "warmup_s": row["warmup_s"],
                  "warmup_extra_s": row["warmup_s"] - statistics.median(b["wall_s"] for b in walls.values())
                  if walls and row["warmup_s"] is not None else None,
@@ -479,11 +479,11 @@ def markdown(r: dict) -> str:
              f"{num(sheet and sheet / 1e12, ',.0f')} TFLOP/s; FLOPs/token = {r['flops_formula']} = "
              f"{num(r['flops_per_token'] and r['flops_per_token'] / 1e6, ',.2f')} M.", "",
              "| contender | tokens/s | vs plain, median (min-max) | vs plain-compiled | MFU (measured peak) | "
-             "MFU (data sheet) | host syncs / step | peak MiB (working) | warm-up s (compile s) | "
+             "MFU (data sheet) | host syncs / step | peak MB (working) | warm-up s (compile s) | "
              f"max abs Δloss vs plain, first {LOSS_STEPS} |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in r["contenders"].items():
-        mem = "n/a" if s["peak_mib"] is None else f"{s['peak_mib']:,.0f} ({s['working_mib']:,.0f})"
+        mem = "n/a" if s["peak_mb"] is None else f"{s['peak_mb']:,.0f} ({s['working_mb']:,.0f})"
         warm = num(s["warmup_s"], ".1f") + (f" ({s['compile_s']:.1f})" if s["compile_s"] is not None else "")
         lines.append(f"| {name} | {num(s['tokens_per_s'], ',.0f')} | {ratio_text(s['vs_plain']) or 'n/a'} | "
                      f"{ratio_text(s['vs_plain_compiled'])} | {pct(s['mfu_measured'])} | {pct(s['mfu_datasheet'])} | "
@@ -647,7 +647,7 @@ def phases(a, run: Run, log: Path, hook, dtype: torch.dtype, contenders: dict) -
             run.rows[name]["syncs_per_step"] = counted_step(c, a.device)
     from .workers import tensor_bytes
     for name, c in contenders.items():   # tensors kept between steps (walks Python objects: host only)
-        run.rows[name]["state_mib"] = tensor_bytes(*c.state()) / 2**20
+        run.rows[name]["state_mb"] = tensor_bytes(*c.state()) / 1e6
     run.write()
     hook(run.phase, run)
     for r in range(a.rounds):

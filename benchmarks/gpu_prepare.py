@@ -84,7 +84,7 @@ def facts() -> dict[str, str]:
     flags = cpu_flags()
     row = {"python": platform.python_version(), "torch": torch.__version__, "CUDA (torch)": str(torch.version.cuda),
            "CPU": f"{cpuinfo_field('model name') or platform.machine()}, {os.cpu_count()} cores, "
-                  f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
+                  f"{psutil.virtual_memory().total / 1e9:.0f} GB",
            "CPU bf16/fp16 flags": " ".join(sorted(flags & {*CPU_BF16_FLAGS, "avx512f", "avx512_fp16", "amx_fp16",
                                                            "amx_tile", "avx2"})) or "none",
            "libaio": "yes" if Path("/usr/include/libaio.h").exists() or shutil.which("ldconfig") and
@@ -104,7 +104,7 @@ def facts() -> dict[str, str]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         row |= {"GPU": props.name, "capability": f"sm_{props.major}{props.minor}",
-                "GPU memory": f"{props.total_memory / 2**30:.1f} GiB", "bf16 supported": str(torch.cuda.is_bf16_supported())}
+                "GPU memory": f"{props.total_memory / 1e9:.1f} GB", "bf16 supported": str(torch.cuda.is_bf16_supported())}
     return row
 
 

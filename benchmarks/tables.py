@@ -23,16 +23,16 @@ def markdown(r: dict, k: int) -> str:
         f"{r['peak_flops'] / 1e9:,.1f} GFLOP/s; FLOPs/token = {r['flops_formula']} = "
         f"{r['flops_per_token'] / 1e6:,.2f} M.", "",
         f"| contender | tokens/s | vs plain, median (min-max) | vs plain, best blocks | vs HF same stage, "
-        f"median (min-max) | vs HF, best blocks | MFU | page faults / step | {r['memory_kind']} MiB (above start) | "
-        f"kept tensors MiB | max abs Δloss vs plain, first {k} / all | final loss |",
+        f"median (min-max) | vs HF, best blocks | MFU | page faults / step | {r['memory_kind']} MB (above start) | "
+        f"kept tensors MB | max abs Δloss vs plain, first {k} / all | final loss |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in rows.items():
         lines.append(
             f"| {name} | {row['tokens_per_s']:,.0f} | {ratio_text(row['vs_plain'])} | "
             f"{best_text(row['vs_plain'])} | {ratio_text(row['vs_hf_same_stage'])} | "
             f"{best_text(row['vs_hf_same_stage'])} | {row['mfu']:.1%} | {row['page_faults_per_step']:,.0f} | "
-            f"{row['peak_memory_mib']:,.0f} ({row['peak_memory_mib'] - row['baseline_memory_mib']:+,.0f}) | "
-            f"{row['state_mib']:,.1f} | {row['max_loss_diff_first_steps']:.1e} / {row['max_loss_diff_all_steps']:.1e} "
+            f"{row['peak_memory_mb']:,.0f} ({row['peak_memory_mb'] - row['baseline_memory_mb']:+,.0f}) | "
+            f"{row['state_mb']:,.1f} | {row['max_loss_diff_first_steps']:.1e} / {row['max_loss_diff_all_steps']:.1e} "
             f"| {row['final_loss']:.4f} |")
     lines += ["", f"plain = hand-written loop, dsN = AdvancedDeepSpeedTrainer at ZeRO N, hfN = HF Trainer with "
               f"deepspeed= the same config, plain2 = the plain loop again (its ratio to plain is the noise floor), "

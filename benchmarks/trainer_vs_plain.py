@@ -220,8 +220,8 @@ def report(a, data, first: dict, blocks: dict, reports: dict, peak: float, secon
             # What the warm-up block took beyond a steady block of as many steps: compilation, for a compiled one.
             "first_block_s": first[name]["wall_s"],
             "first_block_extra_s": first[name]["wall_s"] - statistics.median(walls[name]),
-            "peak_memory_mib": rep["peak_bytes"] / 2**20, "baseline_memory_mib": rep["baseline_bytes"] / 2**20,
-            "state_mib": rep["state_bytes"] / 2**20, "final_loss": rep["losses"][-1], "losses": rep["losses"],
+            "peak_memory_mb": rep["peak_bytes"] / 1e6, "baseline_memory_mb": rep["baseline_bytes"] / 1e6,
+            "state_mb": rep["state_bytes"] / 1e6, "final_loss": rep["losses"][-1], "losses": rep["losses"],
             "max_loss_diff_first_steps": max(diffs[:k]), "max_loss_diff_all_steps": max(diffs),
             "max_lr_diff": max(abs(x - y) for x, y in zip(rep["lrs"], plain["lrs"]))}
     runtime = detect()

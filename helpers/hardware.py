@@ -3,8 +3,8 @@ the device matrix and the Colab estimate; `runtime_for` gives the `Runtime` dete
 from __future__ import annotations
 
 
-# Memory as sold, in 10^9 bytes (formulas.GB; a card's "GB" are GiB, 7% more, which with what the driver
-# reserves leaves a cautious margin). host_gb: RAM of the usual machine around the GPU where there is one
+# Memory as sold, in 10^9 bytes (formulas.GB). torch reports a little more (24.2 GB on an A10G or L4, 25.8 on an
+# RTX 4090, all sold as 24 GB), which with what the driver reserves leaves a cautious margin. host_gb: RAM of the usual machine around the GPU where there is one
 # (Colab's free T4 and its A100; the H200 machine this project is lent), None where it varies.
 # peak_tflops: dense 16-bit tensor-core throughput from NVIDIA's data sheets (fp16 on Turing and Volta, bf16
 # from Ampere), None where not given here.
@@ -23,12 +23,12 @@ MATRIX_GPUS = ("T4", "A100 40GB", "H200")
 
 
 def runtime_for(gpu: str):
-    """What helpers.runtime.detect() returns on one of GPUS (memory in GiB, as torch reports it)."""
+    """What helpers.runtime.detect() returns on one of GPUS (memory as sold, a little under what torch reports)."""
     from .precision import choose_precision
     from .runtime import Runtime
     spec = GPUS[gpu]
     precision, reason = choose_precision(spec["capability"])
-    return Runtime("cuda", f"NVIDIA {gpu}", spec["capability"], spec["memory_gb"] * 1e9 / 2**30, precision, reason)
+    return Runtime("cuda", f"NVIDIA {gpu}", spec["capability"], spec["memory_gb"], precision, reason)
 
 
 def gpu_named(name: str) -> str:

@@ -78,7 +78,7 @@ def training_curves(scalars: dict, floor: float, ln_vocab: float, save_dir=None)
     """Loss (with the floor and ln V), learning rate, gradient norm, throughput and memory, from TensorBoard."""
     panels = [("train/loss", "loss (nats/token)"), ("train/lr", "learning rate"),
               ("train/grad_norm", "gradient norm (before clipping)"), ("train/tokens_per_s", "tokens/s"),
-              ("train/memory_mib", "peak memory (MiB)")]
+              ("train/memory_mb", "peak memory (MB)")]
     fig, axes = plt.subplots(1, 5, figsize=(16, 3.2))
     for ax, (tag, label) in zip(axes, panels):
         steps, values = scalars[tag]
@@ -334,25 +334,25 @@ def sequence_memory(rows: list[dict], budget_bytes: float, longest: dict[int, in
 # Notebook 08: ZeRO-3's knobs (memory against traffic) and ZeRO-Infinity's tiers (bytes per tier).
 def knob_tradeoff(rows: list[dict], save_dir=None):
     """One point per knob setting (settings on the same point share it): the most parameter elements whole at
-    once in a step (memory) against the all-gather MiB the step sent (traffic), annotated with the setting's name
+    once in a step (memory) against the all-gather MB the step sent (traffic), annotated with the setting's name
     and all-gather count."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
     points = {}   # settings that land on the same point share one label, a line each
     for r in rows:
-        xy = (round(r["all-gather MiB"], 2), r["peak whole in a step"] / 1e6)
+        xy = (round(r["all-gather MB"], 2), r["peak whole in a step"] / 1e6)
         points.setdefault(xy, []).append(f"{r['setting']} ({r['all-gathers']} calls)")
     for (x, y), names in points.items():
         ax.scatter(x, y, s=40)
         ax.annotate("\n".join(names), (x, y), xytext=(6, 0), textcoords="offset points", fontsize=8, va="center")
-    ax.set(title="ZeRO-3's knobs: memory against traffic (rank 0, one step)", xlabel="all-gather MiB in the step",
+    ax.set(title="ZeRO-3's knobs: memory against traffic (rank 0, one step)", xlabel="all-gather MB in the step",
            ylabel="peak parameters whole (M)")
-    ax.set_xlim(0, 1.35 * max(r["all-gather MiB"] for r in rows))
+    ax.set_xlim(0, 1.35 * max(r["all-gather MB"] for r in rows))
     ax.set_ylim(0, 1.15 * max(r["peak whole in a step"] for r in rows) / 1e6)
     return finish(fig, save_dir, "zero3_knobs")
 
 
 def memory_tiers(tiers: dict[str, dict[str, float]], save_dir=None):
-    """Stacked bars, one per run ("cpu", "nvme"): MiB on the device, in host RAM (by what it holds) and on disk."""
+    """Stacked bars, one per run ("cpu", "nvme"): MB on the device, in host RAM (by what it holds) and on disk."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
     runs = list(tiers)
     parts = [p for p in tiers[runs[0]] if p != "device"]
@@ -362,6 +362,6 @@ def memory_tiers(tiers: dict[str, dict[str, float]], save_dir=None):
         values = [tiers[run][part] for run in runs]
         ax.bar(runs, values, bottom=bottom, label=part, hatch="//" if part == "disk" else None)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set(title="Where rank 0's model states wait between steps", ylabel="MiB", xlabel="offload device")
+    ax.set(title="Where rank 0's model states wait between steps", ylabel="MB", xlabel="offload device")
     ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
     return finish(fig, save_dir, "zero_infinity_tiers")

@@ -22,7 +22,7 @@ class Runtime:
     device: str                 # "cuda" or "cpu"
     device_name: str
     capability: tuple | None    # CUDA compute capability, e.g. (7, 5) for a T4
-    memory_gib: float           # device memory (GPU) or host RAM (CPU), in GiB (2**30 B) as torch and psutil count
+    memory_gb: float            # device memory (GPU) or host RAM (CPU), in GB (10^9 bytes, helpers/README.md)
     precision: str              # "bf16", "fp16" or "fp32"
     reason: str                 # one sentence: why this precision
     matmul_tflops: dict | None = None   # CPU: the measurement behind the choice, {"fp32": .., "bf16": ..}
@@ -44,7 +44,7 @@ def detect() -> Runtime:
         precision, reason = choose_precision(cap)
         if forced:
             precision, reason = forced, f"forced by {PRECISION_ENV}={forced} (the rule says {precision}: {reason})"
-        return Runtime("cuda", props.name, cap, props.total_memory / 2**30, precision, reason)
+        return Runtime("cuda", props.name, cap, props.total_memory / 1e9, precision, reason)
     import psutil
     forced = forced_precision("cpu")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -55,7 +55,7 @@ def detect() -> Runtime:
         precision, reason = forced, f"forced by {PRECISION_ENV}={forced} (the rule says {precision}: {reason})"
     name = cpuinfo_field("model name") or platform.machine()
     return Runtime("cpu", f"{name} ({os.cpu_count()} cores)", None,
-                   psutil.virtual_memory().total / 2**30, precision, reason, speeds)
+                   psutil.virtual_memory().total / 1e9, precision, reason, speeds)
 
 
 def resolve_precision(value: str | None, runtime: Runtime | None = None) -> str:
@@ -181,7 +181,7 @@ def environment_report(runtime: Runtime) -> dict[str, str]:
     return {"Python": sys.version.split()[0], "torch": torch.__version__,
             "CUDA (torch build)": torch.version.cuda or "none (CPU build)",
             "device": runtime.device_name, "compute capability": cap,
-            "memory": f"{runtime.memory_gib:.1f} GiB", "DeepSpeed": deepspeed.__version__,
+            "memory": f"{runtime.memory_gb:.1f} GB", "DeepSpeed": deepspeed.__version__,
             "DeepSpeed accelerator": get_accelerator().device_name(),
             "communication backend": get_accelerator().communication_backend_name(),
             "precision": f"{runtime.precision}: {runtime.reason}"}

@@ -157,7 +157,7 @@ class AdvancedDeepSpeedTrainer:
         metrics = {"step": self.step, "loss": loss, "lr": lr, "skipped_steps": self.engine.skipped_steps,
                    "grad_norm": norm,
                    "tokens_per_s": tokens / seconds, "step_s": seconds,
-                   "memory_mib": peak_memory(self.runtime.device) / 2**20}
+                   "memory_mb": peak_memory(self.runtime.device) / 1e6}
         if self.precision == "fp16":   # dynamic loss scaling: the scale the next step starts from
             metrics["loss_scale"] = float(self.engine.optimizer.loss_scale)
         return metrics
@@ -193,7 +193,7 @@ class AdvancedDeepSpeedTrainer:
         return self.zero_stage == 0 and self.precision == "fp32"
 
     def train(self, steps: int, progress: bool = True) -> list[dict]:
-        """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard. A step's `memory_mib` is
+        """Run `steps` optimizer steps; metrics go to `history` and to TensorBoard. A step's `memory_mb` is
         the peak since this trainer was built (not the engines built before it in the same process).
 
         Stop (SIGINT) or SIGTERM ends the run after the step it arrives in, recorded (helpers.interrupts):
@@ -269,5 +269,5 @@ class AdvancedDeepSpeedTrainer:
         tokens = sum(m["tokens_per_s"] * m["step_s"] for m in steady)
         seconds = sum(m["step_s"] for m in steady)
         return {"steps": len(self.history), "final_loss": self.history[-1]["loss"],
-                "tokens_per_s": tokens / seconds, "peak_memory_mib": max(m["memory_mib"] for m in steady),
+                "tokens_per_s": tokens / seconds, "peak_memory_mb": max(m["memory_mb"] for m in steady),
                 "params": self.n_params, "precision": self.precision, "model_size": self.model_size}

@@ -26,7 +26,7 @@ def test_it_writes_every_contender_with_its_numbers(result):
     for name, row in saved["contenders"].items():
         assert len(row["losses"]) == steps, name
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"], name
-        assert row["peak_memory_mib"] >= row["baseline_memory_mib"] > 0 and row["state_mib"] > 0, name
+        assert row["peak_memory_mb"] >= row["baseline_memory_mb"] > 0 and row["state_mb"] > 0, name
         assert f"| {name} |" in table
     assert saved["contenders"]["ds0"]["vs_hf_same_stage"] is not None
     assert not saved["compiled"]

@@ -132,24 +132,24 @@ import torch
 from helpers.data import SyntheticTextDataset
 from helpers.memory.measured import peak_memory
 from tests.trainers import make_trainer
-spike = torch.ones(2**28)   # 1 GiB, touched, then freed: an earlier engine's memory
+spike = torch.ones(2**28)   # 1.07 GB, touched, then freed: an earlier engine's memory
 del spike
 before = peak_memory("cpu")
 data = SyntheticTextDataset("markov", n_samples=64, seq_len=16, seed=0)
 trainer = make_trainer(data, micro_batch=4, total_steps=4, warmup_steps=1, output_dir={out!r})
 trainer.train(2, progress=False)
-print(before / 2**20, max(m["memory_mib"] for m in trainer.history))
+print(before / 1e6, max(m["memory_mb"] for m in trainer.history))
 """
 
 
 def test_a_trainers_peak_memory_leaves_out_what_ran_before_it(tmp_path):
-    """The trainer's memory_mib reads the process's peak counter (CUDA's max_memory_allocated on a GPU, the
+    """The trainer's memory_mb reads the process's peak counter (CUDA's max_memory_allocated on a GPU, the
     peak resident set here); without a mark when it is built, a kernel's earlier engines counted as its own."""
     run = subprocess.run([sys.executable, "-c", EARLIER_SPIKE.format(out=str(tmp_path))], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     before, trainer_peak = map(float, run.stdout.split()[-2:])
-    assert before > 1024 and trainer_peak < before - 512, (before, trainer_peak)
+    assert before > 1000 and trainer_peak < before - 500, (before, trainer_peak)   # MB
 
 
 def test_a_zero0_checkpoint_of_the_fusedadam_wrapper_names_every_parameter_shape(tmp_path):

@@ -3,9 +3,9 @@ from helpers.plots import knob_tradeoff, memory_tiers
 
 
 def test_the_knob_figure_labels_every_setting_once_sharing_a_point_where_they_coincide(tmp_path):
-    rows = [{"setting": "defaults", "all-gather MiB": 4.0, "peak whole in a step": 4_224_512, "all-gathers": 40},
-            {"setting": "few_live", "all-gather MiB": 10.1, "peak whole in a step": 1_048_576, "all-gathers": 56},
-            {"setting": "no_prefetch", "all-gather MiB": 4.0, "peak whole in a step": 4_224_512, "all-gathers": 27}]
+    rows = [{"setting": "defaults", "all-gather MB": 4.0, "peak whole in a step": 4_224_512, "all-gathers": 40},
+            {"setting": "few_live", "all-gather MB": 10.1, "peak whole in a step": 1_048_576, "all-gathers": 56},
+            {"setting": "no_prefetch", "all-gather MB": 4.0, "peak whole in a step": 4_224_512, "all-gathers": 27}]
     fig = knob_tradeoff(rows, save_dir=tmp_path)
     ax = fig.axes[0]   # settings on the same point share one label
     assert len(ax.collections) == 2

@@ -40,7 +40,7 @@ def test_precision_rule_on_a_bf16_cpu_needs_a_measurement():
 
 def test_detect_on_this_machine_is_consistent():
     rt = detect()
-    assert rt.device in ("cpu", "cuda") and rt.memory_gib > 0
+    assert rt.device in ("cpu", "cuda") and rt.memory_gb > 0
     flags = cpu_flags() if rt.device == "cpu" else set()
     rule = choose_precision(rt.capability, flags, rt.matmul_tflops)[0]
     forced = os.environ.get(PRECISION_ENV, "auto")

@@ -264,7 +264,7 @@ def memory_rows(results: dict[int, list]) -> list[dict]:
             rows.append({"stage": stage, "rank": r["rank"], **{f"{k} measured": held[k] for k in
                          ("params", "grads", "optimizer")}, **{f"{k} formula": formula[k] for k in
                          ("params", "grads", "optimizer")}, "boundary grads": r["zero2_overhang_bytes"],
-                         "buffers": held["buffers"], "device peak MiB": r["peak_memory_mib"]})
+                         "buffers": held["buffers"], "device peak MB": r["peak_memory_mb"]})
     return rows
 
 
