@@ -85,6 +85,17 @@ def test_every_program_reads_top_to_bottom():
         assert defs[:2] == ["parse", "main"], f"{path.name}: put main right after parse (it has {defs[:3]})"
 
 
+
+def test_every_program_starts_up_in_rank_process_or_says_why_not():
+    """One home for a rank's start-up and shutdown: a program that does its own says why, in a comment that
+    starts "Not runtime.rank_process:" (helpers/programs/README.md names them: train, pipeline)."""
+    own = []
+    for path in sorted((ROOT / "helpers" / "programs").glob("[!_]*.py")):
+        text = path.read_text()
+        assert "with rank_process()" in text or "# Not runtime.rank_process: " in text, path.name
+        own += [path.stem] if "with rank_process()" not in text else []
+    assert own == ["pipeline", "train"], own
+
 # ---- rank_process ----
 
 def run_fresh(code: str) -> dict:

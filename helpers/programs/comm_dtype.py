@@ -17,8 +17,6 @@ one ZeRO++ trial (see `zeropp_trial`). helpers.comms turns the results into a ta
 import argparse
 import traceback
 
-import torch
-
 from helpers import comms
 from helpers.config import build_config
 from helpers.errors import ConfigError
@@ -28,7 +26,7 @@ from helpers.launch import save_config, write_result
 from helpers.memory.measured import measurement_zero_extra
 from helpers.model import MODEL_SIZES, gpt2_param_count
 from helpers.precision import PRECISIONS, add_precision_flag
-from helpers.runtime import detect, resolve_precision, world_size
+from helpers.runtime import detect, rank_process, resolve_precision, world_size
 from helpers.trainer import AdvancedDeepSpeedTrainer
 
 COMM_DTYPES = tuple(PRECISIONS)
@@ -68,14 +66,11 @@ def main(argv=None):
     data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)
     n_layer, n_embd, _ = MODEL_SIZES[a.model_size]
     n_params = gpt2_param_count(data.vocab_size, a.seq_len, n_layer, n_embd)
-    if a.zeropp is not None:
-        write_result(a.out, zeropp_trial(a, data, n_params))
-    else:
-        write_result(a.out, {"runs": [run_dtype(a, d, data, n_params) for d in a.dtypes]})
-    # Not runtime.rank_process: the trainer joins the group after validating, and a refused ZeRO++ trial makes none.
-    if torch.distributed.is_initialized():   # not when the validator refused before any engine
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+    with rank_process():   # quiet logs, the launcher's group (the trainer keeps it); at the end a barrier and its end
+        if a.zeropp is not None:
+            write_result(a.out, zeropp_trial(a, data, n_params))
+        else:
+            write_result(a.out, {"runs": [run_dtype(a, d, data, n_params) for d in a.dtypes]})
 
 
 def gradient_collectives(logged: dict) -> dict:

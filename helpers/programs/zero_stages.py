@@ -28,7 +28,7 @@ from helpers.memory.measured import (allocated_peak, held_bytes, measurement_zer
 from helpers.model import MODEL_SIZES, build_model
 from helpers.precision import add_precision_flag, eps
 from helpers.runtime import (detect, init_single_process, keep_freed_memory, process_rank, quiet_deepspeed,
-                             resolve_precision, world_size)
+                             rank_process, resolve_precision, world_size)
 from helpers.trainer import undo_optimizer_init_step
 
 
@@ -56,14 +56,13 @@ def parse(argv=None):
 
 def main(argv=None):
     """What each of the N processes runs. torchrun starts them with RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT set; the first deepspeed.initialize (in `train`) joins them into one process group."""
+    MASTER_PORT set; rank_process joins them into one process group (plain `python -m`: a 1-rank job)."""
     a = parse(argv)
     rt = detect()            # the device (a CPU here, gloo) and the precision this machine trains in
-    set_up_process(rt)       # quiet logs; plain `python -m` instead of torchrun: a 1-rank job
-    data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)   # the same on every rank
-    write_result(a.out, {"stages": [run_stage(a, {"stage": s}, data, rt) for s in a.stages]})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()   # gloo's threads end before exit can abort them (SIGABRT)
+    with rank_process():     # quiet logs, the launcher's group; at the end a barrier and the group's end
+        reuse_pages(rt)
+        data = SyntheticTextDataset("markov", n_samples=1024, seq_len=a.seq_len, seed=a.seed)   # the same on every rank
+        write_result(a.out, {"stages": [run_stage(a, {"stage": s}, data, rt) for s in a.stages]})
 
 
 # DeepSpeed's defaults differ from the paper's algorithm in two places (measured in notebook 04):
@@ -165,7 +164,7 @@ class Measure(NoMeasure):
         elif step > self.LOGGED:
             self.step_s.append(time.perf_counter() - self.start)
         # A GPU reports each stage's own peak; a CPU process's peak RSS spans every stage run before.
-        self.result["peak_memory_mib"] = peak_memory("cuda") / 2**20 if self.is_gpu else None
+        self.result["peak_memory_mb"] = peak_memory("cuda") / 1e6 if self.is_gpu else None
 
 
 def tolerance_per_step(curve: list[float], precision: str) -> list[float]:
@@ -205,10 +204,7 @@ def run_stage(a, block: dict, data, rt) -> dict:
             "step_s": measure.step_s, "losses": losses}
 
 
-# main keeps its own start-up and shutdown, not runtime.rank_process: notebook 04 prints main (nbval compares it).
-def set_up_process(rt) -> None:
-    quiet_deepspeed()
-    init_single_process()   # a no-op under torchrun; one rank's environment when run with plain python
+def reuse_pages(rt) -> None:
     if not rt.is_gpu:   # every step's activations reuse the last step's pages (no page faults)
         keep_freed_memory()
 
@@ -218,7 +214,9 @@ def run_here(block: dict, data, out, **options) -> dict:
     `options` as its flags (micro_batch=8 -> --micro-batch=8)."""
     a = parse(["--out", str(out), "--stages", str(block["stage"]), f"--seq-len={data.seq_len}", *flags(options)])
     rt = detect()
-    set_up_process(rt)
+    quiet_deepspeed()
+    init_single_process()   # the kernel's process group of one, kept for its next run
+    reuse_pages(rt)
     return run_stage(a, block, data, rt)
 
 
