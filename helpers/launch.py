@@ -5,7 +5,8 @@ run under a launcher. `run_program` turns keyword options into the program's fla
 does) and checks them with its own parser before any process starts; each rank calls `write_result`;
 `launch` returns the results by rank, or raises `RankFailedError` with the failing rank's log
 (per-rank logs in OUT_DIR/logs). `run_script` runs a script a notebook wrote, as a terminal would, and returns
-what it printed and its exit code, failures included (notebook 10 reproduces them).
+what it printed and its exit code, failures included (notebook 10 reproduces them); `run_shown` runs one the
+way a notebook shows it, and `rank_lines` picks each rank's lines out of what the ranks printed into one pipe.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import io
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -155,6 +157,32 @@ def run_script(script: str | Path, n_ranks: int, *args: str, launcher: str = "to
         output, _ = proc.communicate()   # what it printed before the timeout, kept by the first communicate()
         return -9, output
     return proc.returncode, output
+
+
+def run_shown(script: str | Path, n_ranks: int, *args: str, starts: tuple[str, ...] = ("rank ",),
+              **options) -> list[str]:
+    """`run_script` as a notebook shows it: the command as you would type it, then the lines the ranks printed
+    that start with `starts`, rank by rank (`rank_lines`), which it returns. `options` go to `run_script`
+    (launcher, launcher_args, env). A run that fails raises, with everything it printed."""
+    launcher = options.get("launcher", "torchrun")
+    command = (f"torchrun --standalone --nproc_per_node {n_ranks}" if launcher == "torchrun"
+               else " ".join([launcher, *options.get("launcher_args", ())]))
+    print("$", command, script, *args)
+    returncode, output = run_script(script, n_ranks, *args, **{"timeout": 600, **options})
+    if returncode:
+        raise RuntimeError(f"{command} {script} exited with code {returncode}; it printed:\n{output}")
+    lines = rank_lines(output, *starts)
+    print("\n".join(lines))
+    return lines
+
+
+def rank_lines(output: str, *starts: str) -> list[str]:
+    """The lines a run printed that start with one of `starts` ("rank " by default), rank by rank, each rank's in
+    the order it printed them. The ranks share one pipe, and print() writes a line's text and its newline apart:
+    one rank's line can follow another's unbroken, so each line is cut before every "rank N" first."""
+    pieces = [piece for line in output.splitlines() for piece in re.split(r"(?=rank \d+[ :])", line)]
+    chosen = [piece for piece in pieces if piece.startswith(starts or ("rank ",))]
+    return sorted(chosen, key=lambda piece: int(m[1]) if (m := re.match(r"rank (\d+)", piece)) else -1)
 
 
 def command_line(module: str, n_ranks: int, out_dir, args: list[str], launcher: str = "torchrun") -> str:

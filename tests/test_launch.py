@@ -283,3 +283,25 @@ def test_run_script_kills_a_run_past_its_timeout(tmp_path):
     code, output = run_script(script, 1, timeout=15)
     pids = [int(line.split()[1]) for line in output.splitlines() if line.startswith("pid ")]
     assert code == -9 and pids and not any(psutil.pid_exists(pid) for pid in pids), output
+
+
+def test_rank_lines_cuts_lines_run_together_and_orders_them_by_rank():
+    """Ranks share one pipe: a line's text and its newline arrive apart, so one rank's line can follow another's
+    unbroken. rank_lines cuts them apart, keeps each rank's lines in the order it printed them, rank 10 after 9."""
+    from helpers.launch import rank_lines
+    output = ("rank 1 step 1: loss 4.9\n[W] a warning\nrank 0 step 1: loss 4.8rank 1 step 2: loss 4.7\n"
+              "config: {}\nrank 10: last\nrank 9: ninth\nrank 0 step 2: loss 4.6\n")
+    assert rank_lines(output) == ["rank 0 step 1: loss 4.8", "rank 0 step 2: loss 4.6", "rank 1 step 1: loss 4.9",
+                                  "rank 1 step 2: loss 4.7", "rank 9: ninth", "rank 10: last"]
+    assert rank_lines(output, "config: ", "rank 9") == ["config: {}", "rank 9: ninth"]
+
+
+def test_run_shown_prints_the_command_and_the_ranks_lines_and_raises_on_a_failure(tmp_path, capsys):
+    from helpers.launch import run_shown
+    script = tmp_path / "two_ranks.py"
+    script.write_text("import os, sys\nrank = os.environ['RANK']\nprint(f'rank {rank}: here', flush=True)\n"
+                      "sys.exit(int(sys.argv[1]) if rank == '1' else 0)\n")
+    assert run_shown(script, 2, "0") == ["rank 0: here", "rank 1: here"]
+    assert capsys.readouterr().out == f"$ torchrun --standalone --nproc_per_node 2 {script} 0\nrank 0: here\nrank 1: here\n"
+    with pytest.raises(RuntimeError, match=r"exited with code 1; it printed:\n(.|\n)*rank 1: here"):
+        run_shown(script, 2, "3")
