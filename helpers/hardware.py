@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 # Memory as sold, in 10^9 bytes (formulas.GB). torch reports a little more (24.2 GB on an A10G or L4, 25.8 on an
-# RTX 4090, all sold as 24 GB), which with what the driver reserves leaves a cautious margin. host_gb: RAM of the usual machine around the GPU where there is one
-# (Colab's free T4 and its A100; the H200 machine this project is lent), None where it varies.
+# RTX 4090, all sold as 24 GB), which with what the driver reserves leaves a cautious margin. host_gb: RAM of the
+# usual machine around the GPU where there is one (Colab's free T4 and its A100; the H200 machine this project is
+# lent), None where it varies.
 # peak_tflops: dense 16-bit tensor-core throughput from NVIDIA's data sheets (fp16 on Turing and Volta, bf16
 # from Ampere), None where not given here.
 GPUS = {
