@@ -231,7 +231,8 @@ def keep_freed_memory() -> bool:
         return False
     import ctypes
     libc = ctypes.CDLL(None)
-    # no block gets a mapping of its own; the heap is trimmed only past 1 GiB free and grows in 256 MiB strides
+    # no block gets a mapping of its own; the heap is trimmed only past 1 GiB free (M_TRIM_THRESHOLD) and grows
+    # in 256 MiB strides (M_TOP_PAD)
     settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**30), (M_TOP_PAD, 2**28))
     accepted = [libc.mallopt(param, value) == 1 for param, value in settings]   # each tried, even after a refusal
     return all(accepted)
