@@ -53,6 +53,18 @@ def precision_block(precision: str) -> dict:
     return blocks[check_name(precision)]
 
 
+def bare_backward_accepted(config: dict) -> bool:
+    """Whether DeepSpeed 0.19.8 accepts a bare `loss.backward()` on an engine built from `config`, the one home of
+    that rule. Only a ZeRO optimizer (stage 1-3) hooks the forward's outputs so that torch's backward runs
+    DeepSpeed's prologue and epilogue (`DeepSpeedEngine.__init__`: `_support_torch_style_backward`, PR #7665, in
+    0.18.3); at ZeRO 0 `_backward_prologue` raises. In fp16 with dynamic loss scaling (`loss_scale` 0, every fp16
+    config here) the ZeRO optimizer needs its scaler (`ZeROOptimizer.needs_scaler`), so `_backward_post_hook`
+    raises "Loss scaling is required" unless the loss went through `engine.backward` or `engine.scale`."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    dynamic_fp16 = precision_of(config) == "fp16" and config["fp16"].get("loss_scale", 0) == 0
+    return stage >= 1 and not dynamic_fp16
+
+
 def precision_of(config: dict) -> str:
     """The precision a DeepSpeed config asks for: its enabled fp16 or bf16 block, else fp32."""
     if (config.get("fp16") or {}).get("enabled"):

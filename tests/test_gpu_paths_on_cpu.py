@@ -89,6 +89,33 @@ def test_fp32_master_is_the_tensor_adam_stepped(case):
     assert math.isclose(moved.median().item(), lr, rel_tol=1e-3), (case, moved.median())
 
 
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "fp32"), (1, "bf16"), (0, "fp16"), (1, "fp16"),
+                                              (3, "fp16")])
+def test_a_bare_backward_is_accepted_where_the_rule_says(stage, precision, monkeypatch):
+    """Notebook 03's check expects DeepSpeed to accept a bare `loss.backward()` where `bare_backward_accepted` says.
+    On a T4 the config is fp16: there ZeRO 1-3 refuse it too (the ZeRO optimizer's loss scaler), which a rule of
+    "ZeRO 1-3 accept it" got wrong. A GPU's accelerator supports fp16; the CPU one is told it does."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from helpers.precision import bare_backward_accepted
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+    init_single_process()
+    model = build_model(vocab_size=128, n_positions=16, size="tiny", seed=0)
+    config = build_config(micro_batch=2, zero_stage=stage, precision=precision, device="cpu")
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        engine(input_ids=ids, labels=ids).loss.backward()
+        engine.step()
+        accepted = True
+    except RuntimeError as err:
+        assert "engine.backward(loss)" in str(err), err   # refused in DeepSpeed's words, naming the fix
+        accepted = False
+    finally:
+        engine.destroy()
+    assert accepted == bare_backward_accepted(config), (stage, precision)
+
+
 def test_a_16_bit_weight_without_a_master_is_refused():
     engine, _ = one_step_engine(0, "bf16", True)
     stranger = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
