@@ -135,21 +135,23 @@ def run_program(program: str, n_ranks: int, *, out_dir: str | Path, timeout: flo
 
 def run_script(script: str | Path, n_ranks: int, *args: str, launcher: str = "torchrun",
                launcher_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-               timeout: float = 300) -> tuple[int, str]:
+               timeout: float = 300, like_ranks: int | None = None) -> tuple[int, str]:
     """Run a script as a terminal would: `torchrun --standalone --nproc_per_node N script *args`, or
     `deepspeed *launcher_args script *args` (its ranks chosen by launcher_args, e.g. --include localhost:1).
     Returns (exit code, what the launcher and the ranks printed, stdout and stderr together); a failing run is
     returned, not raised, because notebook 10 reproduces failures and reads their messages. The ranks are placed
-    like `launch`'s (`child_env(n_ranks)`); `env` adds variables. A run still going after `timeout` seconds is
-    killed with everything it started, and its exit code reads -9."""
+    like `launch`'s (`child_env(like_ranks or n_ranks)`: a 1-rank run beside a 2-rank one says like_ranks=2);
+    `env` adds variables. A run still going after `timeout` seconds is killed with everything it started, and
+    its exit code reads -9."""
     if launcher == "torchrun":
         start = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(n_ranks), *launcher_args]
     elif launcher == "deepspeed":
         start = ["deepspeed.launcher.runner", *launcher_args, "--master_port", str(free_port())]
     else:
         raise ValueError(f"launcher must be 'torchrun' or 'deepspeed', got {launcher!r}")
-    proc = subprocess.Popen([sys.executable, "-m", *start, str(script), *args], env=child_env(n_ranks) | (env or {}),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", *start, str(script), *args],
+                            env=child_env(like_ranks or n_ranks) | (env or {}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -227,31 +227,54 @@ def test_a_path_setting_inside_the_repository_is_shown_from_its_root(tmp_path, c
     assert printed[2] == f'  outside: zero_optimization.offload_param.nvme_path: null -> "{outside}"'
 
 
-def reference_launches() -> list[tuple[str, int, str]]:
-    """(where, line, source) of every 1-rank `run_program` call in the notebooks and helpers/ that has no
-    `like_ranks`: such a launch runs on the GPU of a one-GPU machine, in the GPU's precision."""
-    import ast
+# Every way a notebook or helper starts ranks, and the position of its rank count. Each places its ranks with
+# child_env(like_ranks or n_ranks); child_env itself is left out: its argument is the placement.
+LAUNCH_DOORS = {"run_program": 1, "run_script": 1, "run_shown": 1, "launch": 1}
+
+
+def launch_sources() -> list[tuple[str, str]]:
+    """(where, source) of every notebook code cell (an IPython magic line read as a statement) and helpers module."""
     import nbformat
     from helpers import REPO_ROOT
     sources = [(p.name, "\n".join(l[:len(l) - len(l.lstrip())] + "pass" if l.lstrip().startswith(("%", "!")) else l
-                                  for l in c.source.splitlines()))   # an IPython magic line: a statement
+                                  for l in c.source.splitlines()))
                for p in sorted((REPO_ROOT / "notebooks").glob("[0-9]*.ipynb"))
                for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code"]
-    sources += [(str(p.relative_to(REPO_ROOT)), p.read_text()) for p in sorted((REPO_ROOT / "helpers").rglob("*.py"))]
+    return sources + [(str(p.relative_to(REPO_ROOT)), p.read_text()) for p in sorted((REPO_ROOT / "helpers").rglob("*.py"))]
+
+
+def reference_launches() -> list[tuple[str, int, str]]:
+    """(where, line, source) of every 1-rank launch, through any door, that has no `like_ranks`: on a one-GPU
+    machine it runs on the GPU, in the GPU's precision, while its multi-rank peers run as CPU processes."""
+    import ast
     found = []
-    for where, source in sources:
+    for where, source in launch_sources():
         for node in ast.walk(ast.parse(source)):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "run_program"
-                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == 1
-                    and "like_ranks" not in {k.arg for k in node.keywords}):
+            door = isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
+            at = LAUNCH_DOORS.get(door)
+            if (at is not None and len(node.args) > at and isinstance(node.args[at], ast.Constant)
+                    and node.args[at].value == 1 and "like_ranks" not in {k.arg for k in node.keywords}):
                 found.append((where, node.lineno, ast.get_source_segment(source, node)[:120]))
     return found
 
 
 def test_every_one_rank_reference_is_placed_like_its_multi_rank_peers():
     """On a one-GPU machine (Colab's T4) a 1-rank launch gets the GPU and its precision (fp16 on a T4) while
-    2 or more ranks run as CPU processes in the CPU's: a 1-rank reference for them must say `like_ranks`."""
+    2 or more ranks run as CPU processes in the CPU's: a 1-rank reference for them must say `like_ranks`, whichever
+    door it goes through (notebook 10's universal-checkpoint resume went through run_script and compared losses
+    with == across the two devices)."""
     assert reference_launches() == []
+
+
+def test_no_notebook_starts_ranks_from_a_shell_line():
+    """A `!torchrun ...` or `!deepspeed ...` line bypasses child_env: on one GPU its 2 ranks would both take the GPU."""
+    import re
+    shell = re.compile(r"^\s*(!|%%bash|%%sh).*\b(torchrun|deepspeed|torch\.distributed\.run)\b", re.M)
+    import nbformat
+    from helpers import REPO_ROOT
+    found = [(p.name, c.source[:80]) for p in sorted((REPO_ROOT / "notebooks").glob("[0-9]*.ipynb"))
+             for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code" and shell.search(c.source)]
+    assert found == []
 
 
 @pytest.mark.parametrize("n_ranks, like_ranks, on_gpu", [(1, None, True), (2, None, False), (1, 2, False)])
