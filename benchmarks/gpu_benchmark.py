@@ -28,10 +28,12 @@ step and ends with torch.cuda.synchronize(). The result JSON and its markdown ta
 phase (each warm-up block, each round), so a kill loses at most the phase it struck; --deadline-s (SIGALRM)
 stops the run in whatever phase it is in, and no round starts that would not end before the deadline.
 
-Micro-batch: the largest of (32, 16, 8, 4, 2, 1) at which all contenders' model states, one step's
+Micro-batch: the largest of MICRO_BATCHES (16 at most) at which all contenders' model states, one step's
 activations (one contender computes at a time; the caching allocator reuses the blocks) and the planner's
 fixed overhead fit in 0.9 of the GPU's memory by notebook 05's planner (helpers.memory.planner); an
-out-of-memory error while building or warming up halves it, rebuilds everything, and says so in the notes.
+out-of-memory error while building or warming up one contender frees that contender alone and builds it again
+at half its micro-batch (the others, their compiled graphs included, stay), and the notes say so. Speeds are
+compared per token, so such a contender still has its ratios; its first losses (other batches) are not compared.
 
 Reported per contender: tokens/s (median over rounds); the median (min-max) of the per-round ratios to plain
 (> 1: faster); MFU against the matmul peak measured here (an 8192^3 product in the run's precision, best of
@@ -70,7 +72,10 @@ from .contenders import AUTOCAST, COMPILED, Setup, TokenData, make_contender
 from .tables import ratio_text
 from .trainer_vs_plain import flops_per_token, matmul_flops, ratio_stats, versions
 
-MICRO_BATCHES = (32, 16, 8, 4, 2, 1)
+# 32 fits an H100 by the planner (52.6 of 72 GB), too close for what the planner does not count (inductor's
+# autotuning and cuBLAS workspaces, nine contenders' fragments); 16 needs about half, and the H100 and the H200
+# then run the same micro-batch.
+MICRO_BATCHES = (16, 8, 4, 2, 1)
 MEMORY_SHARE = 0.9
 PLANNER_MODEL = {"gpt2": "GPT-2 124M"}   # MODEL_SIZES name -> helpers.memory.formulas.models() name
 # Dense 16-bit tensor-core peaks from NVIDIA's data sheets (bf16; fp16 on the T4), matched in this order
@@ -361,7 +366,7 @@ class Run:
         self.out = Path(a.out)
         self.status, self.phase, self.micro_batch = "running", "start", a.micro_batch
         self.peaks, self.rounds_done, self.last_round_s = [], 0, None
-        self.rows = {}
+        self.rows, self.micro_batches = {}, {}
         self.machine = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
         self.datasheet = datasheet_peak(self.machine) if a.device == "cuda" else None
         self.vocab_size = None
@@ -369,19 +374,28 @@ class Run:
     def reset_rows(self) -> None:
         self.rows = {n: {"warmup_s": None, "blocks": {}, "syncs_per_step": None, "state_mb": None, "losses": []}
                      for n in self.names}
+        self.micro_batches = {}   # a contender's own, where an out-of-memory error halved it
+
+    def micro_batch_of(self, name: str) -> int:
+        return self.micro_batches.get(name, self.micro_batch)
+
+    def per_token(self, name: str) -> dict:
+        """Its blocks' seconds per token, by round: contenders at different micro-batches compare per token."""
+        tokens = self.a.steps * self.micro_batch_of(name) * self.a.seq_len
+        return {r: {"wall_s": b["wall_s"] / tokens} for r, b in self.rows[name]["blocks"].items()}
 
     def summary(self) -> dict:
         a = self.a
-        tokens = a.steps * self.micro_batch * a.seq_len   # per block
         fpt = flops_per_token(a, self.vocab_size)[0] if self.vocab_size else None
         peak = max(self.peaks, default=None)
-        plain = self.rows.get("plain", {}).get("blocks", {})
+        plain = self.per_token("plain") if "plain" in self.rows else {}
         out = {}
         for name, row in self.rows.items():
-            walls = row["blocks"]
+            walls, tokens = row["blocks"], a.steps * self.micro_batch_of(name) * a.seq_len   # per block
+            same_batches = self.micro_batch_of(name) == self.micro_batch_of("plain")
             rate = statistics.median(tokens / b["wall_s"] for b in walls.values()) if walls else None
-            s = {"tokens_per_s": rate, "rounds": len(walls),
-                 "vs_plain": paired(walls, plain), "vs_plain_compiled": None,
+            s = {"tokens_per_s": rate, "rounds": len(walls), "micro_batch": self.micro_batch_of(name),
+                 "vs_plain": paired(self.per_token(name), plain), "vs_plain_compiled": None,
                  "mfu_measured": rate * fpt / peak if rate and peak else None,
                  "mfu_datasheet": rate * fpt / self.datasheet if rate and self.datasheet else None,
                  "syncs_per_step": row["syncs_per_step"], "state_mb": row["state_mb"],
@@ -391,9 +405,10 @@ class Run:
                  "warmup_s": row["warmup_s"],
                  "warmup_extra_s": row["warmup_s"] - statistics.median(b["wall_s"] for b in walls.values())
                  if walls and row["warmup_s"] is not None else None,
-                 "max_loss_diff_first_steps": loss_diff(row["losses"], self.rows.get("plain", {}).get("losses", []))}
+                 "max_loss_diff_first_steps": loss_diff(row["losses"], self.rows.get("plain", {}).get("losses", []))
+                 if same_batches else None}   # other batches, other losses
             if name.endswith(COMPILED) and f"plain{COMPILED}" in self.rows:
-                s["vs_plain_compiled"] = paired(walls, self.rows[f"plain{COMPILED}"]["blocks"])
+                s["vs_plain_compiled"] = paired(self.per_token(name), self.per_token(f"plain{COMPILED}"))
             out[name] = s
         for name, s in out.items():   # compile: the warm-up's extra seconds beyond the eager twin's
             twin = out.get(name.removesuffix(COMPILED)) if name.endswith(COMPILED) else None
@@ -424,7 +439,8 @@ class Run:
         fpt, n = flops_per_token(a, self.vocab_size) if self.vocab_size else (None, None)
         config = {k: v for k, v in vars(a).items()}
         return {"status": self.status, "phase": self.phase, "notes": self.notes, "machine": self.machine,
-                "config": config, "micro_batch": self.micro_batch, "contenders_order": self.names,
+                "config": config, "micro_batch": self.micro_batch, "micro_batches_halved": self.micro_batches,
+                "contenders_order": self.names,
                 "rounds_done": self.rounds_done, "elapsed_s": time.monotonic() - a.started,
                 "peak_flops_measured": max(self.peaks, default=None), "peak_flops_datasheet": self.datasheet,
                 "flops_per_token": fpt, "n_params_matmul": n, "flops_formula": "6*N + 12*n_layer*d_model*seq_len",
@@ -524,31 +540,67 @@ def deadline(seconds: float, started: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def build(run: Run, data: TokenData, log: Path, contenders: dict) -> None:
-    """Every contender, into `contenders` (so that those built before an out-of-memory error can be freed)."""
+def setup_for(run: Run, name: str) -> Setup:
     a = run.a
-    setup = Setup(device=a.device, precision=a.precision, model_size=a.model_size, micro_batch=run.micro_batch,
-                  lr=a.lr, warmup=a.warmup, total=a.total, grad_clip=a.grad_clip, seed=a.seed,
-                  threads=torch.get_num_threads(), out_dir=a.work_dir)
+    return Setup(device=a.device, precision=a.precision, model_size=a.model_size, micro_batch=run.micro_batch_of(name),
+                 lr=a.lr, warmup=a.warmup, total=a.total, grad_clip=a.grad_clip, seed=a.seed,
+                 threads=torch.get_num_threads(), out_dir=a.work_dir)
+
+
+def build(run: Run, data: TokenData, log: Path, contenders: dict) -> None:
+    """Every contender, into `contenders`; one that runs out of memory is built again at half its micro-batch."""
     for name in run.names:
+        build_one(run, name, data, log, contenders)
+
+
+def build_one(run: Run, name: str, data: TokenData, log: Path, contenders: dict) -> None:
+    while True:
         run.phase = f"build {name}"
         start = time.perf_counter()
-        with into_log(log):
-            contenders[name] = make_contender(name, data, setup)
-        say(f"built {name} in {time.perf_counter() - start:.1f} s")
+        try:
+            with into_log(log):
+                contenders[name] = make_contender(name, data, setup_for(run, name))
+            break
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
+            if run.micro_batch_of(name) == 1 or not is_oom(err):
+                raise
+        halve(run, name, contenders)   # out of the except block: its traceback no longer holds the tensors
+    say(f"built {name} in {time.perf_counter() - start:.1f} s")
 
 
-def warm_up(run: Run, contenders: dict, log: Path, hook) -> None:
-    """One block each (compiles happen here), the results written after each."""
-    for name, c in contenders.items():
-        run.phase = f"warm-up {name}"
-        with into_log(log):
-            block = timed_block(c, run.a.steps, run.a.device)
+def halve(run: Run, name: str, contenders: dict) -> None:
+    """Free one contender that ran out of memory and halve its micro-batch; the others stay as they are."""
+    release({name: contenders.pop(name)} if name in contenders else {})
+    run.micro_batches[name] = run.micro_batch_of(name) // 2
+    run.rows[name] |= {"warmup_s": None, "losses": []}
+    run.notes.append(f"out of memory in {run.phase}: {name} alone rebuilt at micro-batch {run.micro_batches[name]}"
+                     + (" (its graph compiled again, maybe with dynamic shapes)" if name.endswith(COMPILED) else ""))
+    say(run.notes[-1])
+    run.write()
+
+
+def warm_up(run: Run, contenders: dict, data: TokenData, log: Path, hook) -> None:
+    """One block each (compiles happen here), the results written after each; a contender that runs out of memory
+    is rebuilt alone at half its micro-batch and warmed up again."""
+    for name in list(contenders):
+        while True:
+            run.phase = f"warm-up {name}"
+            try:
+                with into_log(log):
+                    block = timed_block(contenders[name], run.a.steps, run.a.device)
+                break
+            except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
+                if run.micro_batch_of(name) == 1 or not is_oom(err):
+                    raise
+            halve(run, name, contenders)
+            build_one(run, name, data, log, contenders)
         run.rows[name]["warmup_s"] = block["wall_s"]
-        run.rows[name]["losses"] = list(c.losses)
+        run.rows[name]["losses"] = list(contenders[name].losses)
         say(f"warm-up {name}: {block['wall_s']:.1f} s")
         run.write()
         hook(run.phase, run)
+    order = {name: contenders.pop(name) for name in run.names}   # rebuilt ones back in their place in the order
+    contenders.update(order)
 
 
 def execute(a, hook=lambda phase, run: None) -> dict:
@@ -617,30 +669,15 @@ def measure(a, run: Run, log: Path, hook) -> dict:
 
 
 def phases(a, run: Run, log: Path, hook, dtype: torch.dtype, contenders: dict) -> None:
-    """Data, the matmul peak, the contenders built and warmed up (again at half the micro-batch after an
-    out-of-memory error), their counted steps, then the rounds; the results written after each phase."""
+    """Data, the matmul peak, the contenders built and warmed up (one that runs out of memory again, alone, at half
+    its micro-batch), their counted steps, then the rounds; the results written after each phase."""
     names = run.names
     run.phase = "data and matmul peak"
     data = make_data(a, run.micro_batch)
     run.vocab_size = data.vocab_size
     run.peaks.append(measured_peak(a, dtype))
-    while True:
-        try:
-            build(run, data, log, contenders)
-            warm_up(run, contenders, log, hook)
-            break
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
-            if run.micro_batch == 1 or not is_oom(err):
-                raise
-            failed = run.phase
-        release(contenders)   # out of the except block: its traceback no longer holds their tensors
-        torch._dynamo.reset()   # new shapes: compile afresh rather than as dynamic shapes
-        run.notes.append(f"out of memory at micro-batch {run.micro_batch} in {failed}: halved to "
-                         f"{run.micro_batch // 2}, every contender rebuilt")
-        say(run.notes[-1])
-        run.micro_batch //= 2
-        run.reset_rows()
-        run.write()
+    build(run, data, log, contenders)
+    warm_up(run, contenders, data, log, hook)
     run.phase = "counted steps"
     with into_log(log):
         for name, c in contenders.items():

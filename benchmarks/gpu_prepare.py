@@ -7,8 +7,11 @@
   ("9.0a"), which DeepSpeed's JIT builder cannot read (helpers.preflight.arch_list_problem);
 - stale JIT locks removed: torch's builder holds a file named `lock` open in the op's build folder while it
   builds, and a builder killed mid-build leaves it behind, where every later build of that op waits forever;
-- the ops the notebooks load built once (OPS; async_io only where libaio is), so the notebook lanes start
-  from copies of the folder instead of each building them again, and each prints its seconds;
+- the ops the notebooks load built once (OPS), so the lanes start from copies of the folder instead of each
+  building them again, and each prints its seconds. On a one-GPU machine every multi-rank launch runs its ranks
+  on the CPU (helpers.launch.child_env: CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR=cpu), where DeepSpeed's CPU
+  accelerator hands out its own builders (accelerator/cpu_accelerator.py, ops/op_builder/cpu/): they are built
+  in that environment (CPU_RANK_ENV), with the flags the ranks' builds will have;
 - the machine's facts: GPU, capability, memory, CPU model and its bf16 flags, package versions.
 """
 from __future__ import annotations
@@ -26,15 +29,26 @@ from helpers import REPO_ROOT
 from helpers.launch import kill_tree
 from helpers.runtime import remove_stale_locks
 
-# DeepSpeedCPUAdam, FusedAdam, the NVMe tier of notebook 08: the builders those classes ask the accelerator for
-OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder")
+# What the notebooks load, as DeepSpeed 0.19.8 builds it (each op's folder is named by the op alone, so a CUDA
+# build and a CPU build of one op would rebuild each other in a shared folder):
+# - CPUAdamBuilder (cpu_adam): DeepSpeedCPUAdam (05's offload, in the kernel on the GPU and in CPU ranks); the CUDA
+#   accelerator hands out the CPU accelerator's builder for it (cuda_accelerator.py, "Host-side optimizers"), so
+#   one build serves both;
+# - AsyncIOBuilder (async_io, after pin_memory, which its load() builds first): 08's NVMe run, in 2 CPU ranks:
+#   op_builder/cpu/async_io.py (CPUOpBuilder's flags, -laio -fopenmp), not the CUDA one (-lcudart, CUDA includes);
+# - ShareMemCommBuilder (deepspeed_shm_comm): every CPU-rank launch (comm/torch.py build_shm_op, when the CPU
+#   accelerator's ops probe compatible), in 04-10.
+# Not FusedAdam: every config trains with torch's AdamW ("torch_adam": true), DeepSpeedCPUAdam where offloaded.
+OPS = ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
+CPU_RANK_ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}   # helpers.launch.child_env's, on one GPU
 BUILD = """
 import sys, time
 from deepspeed.accelerator import get_accelerator
 builder = get_accelerator().create_op_builder(sys.argv[1])
 if builder is None or not builder.is_compatible(False):
     print("not buildable here (libaio missing?)" if builder else "no such op on this accelerator"); sys.exit(3)
-start = time.perf_counter(); builder.load(verbose=False); print(f"built in {time.perf_counter() - start:.0f} s")
+start = time.perf_counter(); builder.load(verbose=False)
+print(f"{type(builder).__module__} built in {time.perf_counter() - start:.0f} s")   # whose builder: the CPU's
 """
 
 
@@ -43,9 +57,10 @@ def plain_arch(capability: tuple) -> str:
     return f"{capability[0]}.{capability[1]}"
 
 
-def build_ops(ext_dir: Path, arch_list: str, ops=OPS, cap: float = 300, env: dict | None = None) -> dict[str, str]:
-    """Build each op in a process of its own, all at once (their build folders differ): {op: what happened}."""
-    env = {**os.environ, **(env or {}), "TORCH_EXTENSIONS_DIR": str(ext_dir), "TORCH_CUDA_ARCH_LIST": arch_list,
+def build_ops(ext_dir: Path, ops=OPS, cap: float = 300, env: dict | None = None) -> dict[str, str]:
+    """Build each op in a process of its own, all at once (their build folders differ), in the CPU ranks'
+    environment unless `env` says otherwise: {op: what happened}."""
+    env = {**os.environ, **CPU_RANK_ENV, **(env or {}), "TORCH_EXTENSIONS_DIR": str(ext_dir),
            "MAX_JOBS": str(max(1, (os.cpu_count() or 2) // len(ops)))}
 
     def build(op):
@@ -108,9 +123,9 @@ def facts() -> dict[str, str]:
     return row
 
 
-def prepare(ext_dir: Path, t4_ext_dir: Path | None = None, cap: float = 90, t4_env: dict | None = None) -> dict:
-    """Everything before the lanes: arch list, stale locks, the ops built (natively, and for the T4 lanes in
-    their environment `t4_env`: the same build flags, so a lane finds its op built), facts."""
+def prepare(ext_dir: Path, cap: float = 60) -> dict:
+    """Everything before the lanes: arch list, stale locks, the ops built, facts. The T4 jobs use the same ops:
+    none of them is a CUDA op, so TORCH_CUDA_ARCH_LIST (7.5+PTX there) does not enter their builds."""
     import torch
     start = time.perf_counter()
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
@@ -118,12 +133,9 @@ def prepare(ext_dir: Path, t4_ext_dir: Path | None = None, cap: float = 90, t4_e
         os.environ["TORCH_CUDA_ARCH_LIST"] = plain_arch(capability)
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     default_cache = Path.home() / ".cache" / "torch_extensions"
-    stale = [str(p) for root in (ext_dir, default_cache, t4_ext_dir) if root for p in remove_stale_locks(root)]
-    jobs = [(ext_dir, arch, None)] + ([(t4_ext_dir, "7.5+PTX", t4_env)] if t4_ext_dir else [])
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        built = list(pool.map(lambda job: build_ops(job[0], job[1], cap=cap - 5, env=job[2]), jobs))
-    return {"TORCH_CUDA_ARCH_LIST": arch, "stale locks removed": stale, "ops": built[0],
-            "ops for the T4 lane (7.5+PTX)": built[1] if t4_ext_dir else None, "facts": facts(),
+    stale = [str(p) for root in (ext_dir, default_cache) for p in remove_stale_locks(root)]
+    built = build_ops(ext_dir, cap=cap - 5)
+    return {"TORCH_CUDA_ARCH_LIST": arch, "stale locks removed": stale, "ops": built, "facts": facts(),
             "seconds": time.perf_counter() - start}
 
 
@@ -137,7 +149,9 @@ def t4_probe() -> dict:
     rt = detect()
     row = {"capability": list(torch.cuda.get_device_capability()), "bf16 supported": torch.cuda.is_bf16_supported(),
            "name": torch.cuda.get_device_name(), "precision": rt.precision, "reason": rt.reason,
-           "flash sdp": torch.backends.cuda.flash_sdp_enabled(), "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST")}
+           "flash sdp": torch.backends.cuda.flash_sdp_enabled(), "cudnn sdp": torch.backends.cuda.cudnn_sdp_enabled(),
+           "mem-efficient sdp": torch.backends.cuda.mem_efficient_sdp_enabled(),
+           "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST")}
     try:
         torch.empty(16 * 10**9, dtype=torch.uint8, device="cuda")
         row["16 GB allocated"] = True
@@ -151,7 +165,7 @@ def check_t4_probe(path: Path) -> list[str]:
     import json
     seen = json.loads(Path(path).read_text())
     wanted = {"capability": [7, 5], "bf16 supported": False, "precision": "fp16", "flash sdp": False,
-              "16 GB allocated": False}
+              "cudnn sdp": False, "mem-efficient sdp": True, "16 GB allocated": False}
     return [f"{key}: {seen.get(key)!r}, a T4 gives {value!r}" for key, value in wanted.items() if seen.get(key) != value]
 
 

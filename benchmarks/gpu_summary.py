@@ -1,8 +1,11 @@
 """What `python -m benchmarks.gpu` writes under --out after every part, in at most MAX_FILES files:
 
-    summary.json   every part: status, seconds, problems; every notebook's failing cells (source and error line)
-    summary.md     the same to read: the machine, a table per part, each failing cell, what emulation does not prove
+    summary.json   every part: status, seconds, problems; every notebook's failing cells (source and error line);
+                   the installed packages against their pins and floors
+    summary.md     the same to read: the machine, the packages' problems, a table per part, each failing cell, what
+                   emulation does not prove, the benchmark's table (from gpu_benchmark.md beside it)
     logs.txt       the last lines of the log of every part that did not pass
+    gpu_benchmark.json, gpu_benchmark.md   benchmarks.gpu_benchmark's own, rewritten after every phase of it
 
 The executed notebooks stay in the work folder (too large to bring back); what a reader needs of them, the
 failing cells' source and error, is copied here.
@@ -16,7 +19,7 @@ MAX_FILES = 8
 SOURCE_LINES = 6    # of a failing cell's source, in the summary
 LOG_TAIL = 40       # lines of a failing part's log, in logs.txt
 T4_NOT_PROVEN = ("the emulation runs the real GPU's kernels: it proves the tutorial's choices on a T4 (fp16 with "
-                 "loss scaling, no bf16, no flash attention, 15 GB), not that Turing's kernels run or are fast "
+                 "loss scaling, no bf16, no flash or cuDNN attention, 15 GB), not that Turing's kernels run or are fast "
                  "enough, nor that Triton (torch.compile) builds for sm_75; its seconds are not a T4's")
 
 
@@ -52,35 +55,45 @@ def cell_text(text: str) -> str:
 def prepare_line(prep: dict) -> str:
     if "error" in prep:
         return f"Prepare failed after {prep['seconds']:.0f} s: {prep['error']}"
-    t4 = prep.get("ops for the T4 lane (7.5+PTX)")
     return (f"Prepare ({prep['seconds']:.0f} s): TORCH_CUDA_ARCH_LIST={prep['TORCH_CUDA_ARCH_LIST']}; stale JIT locks "
-            f"removed: {len(prep['stale locks removed'])}; ops: " + "; ".join(f"{k} {v}" for k, v in prep["ops"].items())
-            + ("; for the T4 lanes: " + "; ".join(f"{k} {v}" for k, v in t4.items()) if t4 else ""))
+            f"removed: {len(prep['stale locks removed'])}; ops: " + "; ".join(f"{k} {v}" for k, v in prep["ops"].items()))
 
 
-def markdown(summary: dict) -> str:
+def package_lines(check: dict) -> list[str]:
+    rows = check.get("packages", {})
+    lines = ["| package | installed | from | pin | floor |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {r['installed'] or 'missing'} | {r.get('from', '-')} | {r['pin']} | {r.get('floor') or '-'} |"
+              for name, r in rows.items()]
+    return lines + [""] + [f"- package problem: {p}" for p in check.get("problems", [])] + [""]
+
+
+def markdown(summary: dict, table: str | None = None) -> str:
+    """The summary to read; `table`: the benchmark's markdown, where it has written one."""
     facts = summary.get("prepare", {}).get("facts", {})
     lines = [f"# GPU run: {facts.get('GPU', 'no GPU')} ({facts.get('capability', '?')})", "",
-             f"Total {summary['seconds']:.0f} s of a {summary['deadline_s']} s deadline.", ""]
+             f"Total {summary['seconds']:.0f} s of a {summary['deadline_s']} s deadline, "
+             f"{summary.get('started_before_s', 0):.0f} s of it before the kit started (the wheels' install).", ""]
     if facts:
         lines += ["| fact | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in facts.items()], ""]
+    if summary.get("packages"):
+        lines += package_lines(summary["packages"])
     if summary.get("prepare"):
         lines += [prepare_line(summary["prepare"]), ""]
-    lines += ["| lane | part | status | seconds | cap | cells run | failing cells | checks ✓ | problems |",
+    lines += ["| lane | part | status | seconds | cap (granted) | cells run | failing cells | checks ✓ | problems |",
               "|---|---|---|---:|---:|---:|---:|---:|---|"]
     parts = sorted(summary["parts"], key=lambda p: p.get("lane", ""))   # by lane, each in its order of running
     for p in parts:
         nb = p.get("notebook") or {}
-        lines.append(f"| {p.get('lane', '-')} | {p['name']} | {p['status']} | {p['seconds']:.0f} | {p.get('cap', '-')} | "
+        lines.append(f"| {p.get('lane', '-')} | {p['name']} | {p['status']} | {p['seconds']:.0f} | {p.get('cap', '-')} "
+                     f"({p.get('granted', '-')}) | "
                      f"{nb.get('cells_run', '-')}/{nb.get('cells', '-')} | {len(nb.get('failing', [])) if nb else '-'} | "
                      f"{nb.get('checks_passed', '-')} | {cell_text('; '.join(p.get('problems', [])) or '-')} |")
     for p in parts:
         for cell in (p.get("notebook") or {}).get("failing", []):
             lines += ["", f"**{p['lane']} / {p['name']}, cell {cell['cell']}**: `{cell['error']}`", "```python",
                       cell["source"], "```"]
-    if any(p.get("lane", "").startswith("t4") for p in summary["parts"]):
+    if any(p["name"].startswith("T4") or p["name"].endswith("(T4)") for p in summary["parts"]):
         lines += ["", f"T4 emulation: {T4_NOT_PROVEN}."]
-    table = summary.get("benchmark_table")
     if table:
         lines += ["", "## Benchmark", "", table]
     return "\n".join(lines) + "\n"
@@ -99,9 +112,11 @@ def log_tails(summary: dict) -> str:
 def write(out: Path, summary: dict) -> list[Path]:
     """Write the summary's files (rewritten whole each time: a stopped run keeps what ran)."""
     out.mkdir(parents=True, exist_ok=True)
-    files = {"summary.json": json.dumps(summary, indent=2, default=str) + "\n", "summary.md": markdown(summary),
+    bench = out / "gpu_benchmark.md"   # benchmarks.gpu_benchmark writes it there itself
+    table = bench.read_text() if bench.is_file() else None
+    files = {"summary.json": json.dumps(summary, indent=2, default=str) + "\n", "summary.md": markdown(summary, table),
              "logs.txt": log_tails(summary)}
-    assert len(files) <= MAX_FILES
+    assert len(files) + 3 <= MAX_FILES   # and the benchmark's .json, .md and .json.tmp
     for name, text in files.items():
         (out / name).write_text(text)
     return [out / name for name in files]

@@ -71,7 +71,7 @@ def trainer_configs(rt: Runtime) -> dict[str, dict]:
 
 def gpu_script_configs(rt: Runtime) -> dict[str, dict]:
     """The training configs benchmarks/gpu.py would run on this GPU (none on a CPU: it runs nothing there)."""
-    from benchmarks import gpu
+    from benchmarks import gpu_plan as gpu
     if not rt.is_gpu:
         return {}
     gpu_name = rt.device_name.removeprefix("NVIDIA ")
@@ -169,7 +169,7 @@ def deepspeed_host_gb(plan: dict) -> float:
 
 def table() -> str:
     """The matrix notebooks/README.md shows (PAGE), one column per device."""
-    from benchmarks import gpu as gpu_script
+    from benchmarks import gpu_plan as gpu_script
     columns = profiles()
     rows = {name: [] for name in ("precision", "configs built, as DeepSpeed sees them", "device memory",
                                   "03's trainer needs", "05's longest activation run needs",

@@ -4,7 +4,7 @@ every config the notebooks, the trainer, configs/ and benchmarks/gpu.py build is
 fit the host RAM by DeepSpeed's own estimator; notebooks/README.md shows the table it builds."""
 import pytest
 
-from benchmarks import gpu as gpu_script
+from benchmarks import gpu_plan as gpu_script
 from helpers import REPO_ROOT
 from helpers.hardware import GPUS, MATRIX_GPUS
 from helpers.memory import planner

@@ -8,8 +8,11 @@ What the tutorial reads, answered as on a T4: torch.cuda.get_device_capability -
 (major 7, minor 5, a T4's total memory, name "Tesla T4 (emulated)"), get_device_name, is_bf16_supported -> False,
 mem_get_info (free and total within the T4's memory). What the process can do, limited as on a T4: the caching
 allocator capped at a T4's memory (set_per_process_memory_fraction, when CUDA starts: a process that never
-touches the GPU, a rank program on the CPU, creates no CUDA context for it), and the flash and memory-efficient
-SDPA kernels switched off (FlashAttention needs sm_80; torch's T4 falls back to the math kernel).
+touches the GPU, a rank program on the CPU, creates no CUDA context for it), and the SDPA kernels a T4 lacks
+switched off: flash attention and cuDNN attention (both sm_80 or newer: torch's own tests gate them on
+SM80OrLater, torch/testing/_internal/common_cuda.py). A T4 keeps the memory-efficient kernel (any CUDA GPU there;
+its backward is not deterministic) and the math one, so those stay on: scaled_dot_product_attention picks among
+them as on a T4.
 Not emulated: Turing's kernels and speed (the real GPU's run), Triton on sm_75. The answers hold without a GPU
 too, so a test can check them on a CPU; what needs CUDA (the memory cap) applies only where CUDA starts.
 """
@@ -46,8 +49,8 @@ def _patch_torch():
     cuda.get_device_name = lambda device=None: T4_NAME
     cuda.is_bf16_supported = lambda including_emulation=True: False
     cuda.mem_get_info = mem_get_info
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)   # sm_80+
+    torch.backends.cuda.enable_cudnn_sdp(False)   # sm_80+ (and cuDNN 9)
     cuda._lazy_call(cap_memory)
 
 
