@@ -15,12 +15,12 @@ def test_a_real_step_matches_the_formula_and_checkpointing_lowers_the_peak():
     """'small' (4 layers, h=256) at seq 512: the layers' activations (~100 MB) dwarf RSS noise."""
     off = activations.measure_step_memory("small", 512, 2, checkpointing=False, steps=1)
     on = activations.measure_step_memory("small", 512, 2, checkpointing=True, steps=1)
-    assert off["source"] == on["source"] == peak_source(off["device"])
+    assert off["source"] == on["source"] == "tensors"   # the tensors' own bytes on every device (tensor_peak)
     assert 0 < on["peak_bytes"] < 0.6 * off["peak_bytes"]
     assert off["seconds"] > 0
-    if off["source"] == "rss":   # held between forward and backward: what the formula counts
-        predicted = activation_bytes_for("small", 512, 2, checkpointing=False)["total"]
-        assert off["forward_bytes"] == pytest.approx(predicted, rel=0.1)
+    assert (off["allocator_peak_bytes"] is None) == (off["device"] == "cpu")   # a GPU's allocator is read apart
+    predicted = activation_bytes_for("small", 512, 2, checkpointing=False)["total"]   # held between forward and
+    assert off["forward_bytes"] == pytest.approx(predicted, rel=0.1)                  # backward: what it counts
 
 
 def test_savings_subtracts_the_checkpointed_peak():

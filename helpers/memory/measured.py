@@ -227,18 +227,29 @@ def _live_storages():
 @contextlib.contextmanager
 def allocated_peak(device: str):
     """Tensor bytes allocated inside the block, less those freed: {"peak": the most at any moment, "end": what is
-    still held at its end}, filled in when the block ends. On a GPU from torch.cuda's allocator counters; on a
-    CPU by following every storage an op returns to its free (RSS would show the C allocator keeping freed
-    pages, and untouched `torch.empty` pages not at all; torch's profiler misses frees made on other threads,
-    such as gloo's). On a CPU, scratch memory an op frees before returning is not seen."""
+    still held at its end}, filled in when the block ends. On a GPU from torch.cuda's allocator counters (each
+    block rounded up to 512 bytes, and the scratch a kernel takes); on a CPU by `tensor_peak`."""
+    if peak_source(device) != "cuda":
+        with tensor_peak() as result:
+            yield result
+        return
     import gc
     gc.collect()   # tensors of earlier objects freed inside the block would count against it
     result = {}
-    if peak_source(device) == "cuda":
-        base = memory_mark(device)
-        yield result
-        result.update(peak=peak_memory(device) - base, end=memory_now(device) - base)
-        return
+    base = memory_mark(device)
+    yield result
+    result.update(peak=peak_memory(device) - base, end=memory_now(device) - base)
+
+
+@contextlib.contextmanager
+def tensor_peak():
+    """`allocated_peak`'s {"peak", "end"} counted from the tensors themselves, on any device: every storage an op
+    returns is followed to its free, its exact nbytes counted (RSS would show the C allocator keeping freed pages,
+    and untouched `torch.empty` pages not at all; torch's profiler misses frees made on other threads, such as
+    gloo's). Scratch memory an op frees before returning is not seen: what a formula of stored tensors counts."""
+    import gc
+    gc.collect()   # tensors of earlier objects freed inside the block would count against it
+    result = {}
     with _live_storages() as storages:
         yield result
         gc.collect()   # a reference cycle made inside the block is not held by anyone

@@ -13,7 +13,7 @@ from statistics import median_high
 
 from .. import REPO_ROOT, with_repo_on_path
 from helpers.memory.formulas import activation_bytes_for
-from helpers.memory.measured import allocated_peak, peak_source
+from helpers.memory.measured import allocated_peak, tensor_peak
 
 
 def _build(model_size: str, seq_len: int, vocab: int, precision: str, checkpointing: bool, device: str):
@@ -48,19 +48,27 @@ def _child_measure(model_size: str, seq_len: int, micro_batch: int, checkpointin
     # Keep the grads allocated (zeroed, not None): they are model states, so the baseline holds them
     # and the measured difference is the step's activations plus backward's transient buffers.
     model.zero_grad(set_to_none=False)
-    with allocated_peak(device) as whole:
-        with allocated_peak(device) as forward:
+    # The tensors' own bytes on every device, so the formula checks mean the same on a CPU and a GPU; a GPU's
+    # allocator also rounds each block up to 512 bytes and hands kernels scratch: its peak is read apart, below.
+    with tensor_peak() as whole:
+        with tensor_peak() as forward:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()   # forward's "end": what it holds for backward, the saved activations and logits
         del loss
     held, peak = forward["end"], whole["peak"]
+    allocator = None
+    if device == "cuda":
+        with allocated_peak(device) as seen:
+            model(input_ids=ids, labels=ids).loss.backward()
+        allocator = seen["peak"]
     times = []
     for _ in range(steps):   # timed apart from the counting, which adds Python work to every op on a CPU
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"peak_bytes": peak, "forward_bytes": held, "seconds": median_high(times) if times else None,
-            "source": peak_source(device), "device": device, "n_params": sum(p.numel() for p in model.parameters())}
+    return {"peak_bytes": peak, "forward_bytes": held, "allocator_peak_bytes": allocator,
+            "seconds": median_high(times) if times else None, "source": "tensors", "device": device,
+            "n_params": sum(p.numel() for p in model.parameters())}
 
 
 def _child_time(model_size: str, seq_len: int, micro_batch: int, precision: str, vocab: int, steps: int) -> dict:
@@ -93,9 +101,10 @@ def measure_step_memory(model_size: str = "tiny", seq_len: int = 256, micro_batc
     """Bytes one training step (forward + backward, plain PyTorch) adds on top of the model states,
     and its time, measured in a fresh process so nothing this kernel allocated earlier blurs the peak.
 
-    Tensor bytes, counted by `allocated_peak` (the CUDA allocator's counters, or on a CPU each storage followed to
-    its free). `forward_bytes`: what the step holds between forward and backward (the saved activations and
-    logits). `seconds`: median of `steps` steps after a warm-up, timed without the counting.
+    Tensor bytes, counted by `tensor_peak` (each storage followed to its free, on any device); on a GPU also
+    `allocator_peak_bytes`, the CUDA allocator's peak for a third step (None elsewhere). `forward_bytes`: what the
+    step holds between forward and backward (the saved activations and logits). `seconds`: median of `steps`
+    steps after a warm-up, timed without the counting.
     """
     return _in_child("--measure", timeout, model_size=model_size, seq_len=seq_len, micro_batch=micro_batch,
                      checkpointing=checkpointing, precision=precision, vocab=vocab, steps=steps)
@@ -139,6 +148,8 @@ def sweep(seq_lens=(256, 512, 1024), micro_batch: int = 1, model_size: str = "sm
                          "held_ratio": got["forward_bytes"] / held,
                          "measured_MB": got["peak_bytes"] / 1e6, "predicted_MB": want["total"] / 1e6,
                          "ratio": got["peak_bytes"] / want["total"],
+                         **({"allocator_MB": got["allocator_peak_bytes"] / 1e6}   # a GPU's: rounding, scratch
+                            if got["allocator_peak_bytes"] is not None else {}),
                          "seconds": seconds["checkpointed" if ckpt else "plain"]})
     return rows
 
