@@ -15,8 +15,8 @@ and end times (nbclient records them). Two kinds of cell:
   take the "in-kernel FLOPs at its peak" column: an upper bound on the FLOPs' own time, not on the Python,
   kernel-launch and JIT-build time around them, which the "in the kernel" column bounds from above instead.
 So the estimate is a range: ranks + GPU compute (every in-kernel second is FLOPs) up to ranks + in-kernel
-time here (the T4 no faster than 2 CPU cores). Not in it: the once-per-session set-up (colab_setup.sh's
-installs, the first DeepSpeedCPUAdam build), which the page lists beside the table.
+time here (the T4 no faster than 2 CPU cores). Not in it: the set-up each notebook's fresh runtime pays first
+(colab_setup.sh's installs, the first DeepSpeedCPUAdam build), which the page lists beside the table.
 """
 from __future__ import annotations
 

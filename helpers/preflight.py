@@ -137,11 +137,12 @@ def arch_list_problem(arch_list: str | None) -> str | None:
             f"building FusedAdam; set TORCH_CUDA_ARCH_LIST='{plain}' (or unset it) before the first DeepSpeed op is built")
 
 
-def report(fused_adam: bool = False) -> list[dict]:
+def report(fused_adam: bool = False, cpu_adam: bool = True) -> list[dict]:
     """Every check as a row {check, ok, fatal, detail}: a failing `fatal` row (a package missing or too old, a
     GPU whose torch cannot step its AdamW) stops the set-up; a failing other one is a warning, its detail the
-    reason. DeepSpeedCPUAdam's build on any machine; on a GPU torch's fused AdamW, and whether DeepSpeed could
-    JIT-build a CUDA op here (TORCH_CUDA_ARCH_LIST, nvcc), and with `fused_adam` FusedAdam's build and one step."""
+    reason. DeepSpeedCPUAdam's build on any machine (unless `cpu_adam` is False: colab_setup.sh skips it for the
+    notebooks that never step it); on a GPU torch's fused AdamW, and whether DeepSpeed could JIT-build a CUDA op
+    here (TORCH_CUDA_ARCH_LIST, nvcc), and with `fused_adam` FusedAdam's build and one step."""
     import torch
     installed = installed_versions()
     rows = []
@@ -151,8 +152,9 @@ def report(fused_adam: bool = False) -> list[dict]:
                      "detail": problem[0] if problem else installed[name]})
     rows.append({"check": f"deepspeed == {DEEPSPEED}", "ok": installed["deepspeed"] == DEEPSPEED, "fatal": True,
                  "detail": installed["deepspeed"] or "missing"})
-    rows.append(_built("DeepSpeedCPUAdam built (ZeRO-Offload, notebook 05), one step = torch AdamW's",
-                       lambda: adam_op_matches_torch("cpu"), fatal=False))
+    if cpu_adam:
+        rows.append(_built("DeepSpeedCPUAdam built (ZeRO-Offload, notebook 05), one step = torch AdamW's",
+                           lambda: adam_op_matches_torch("cpu"), fatal=False))
     if not torch.cuda.is_available():
         return rows
     rows.append(_built("torch's fused AdamW on the GPU (the notebooks' optimizer), one step = torch AdamW's",
@@ -194,9 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fused-adam", action="store_true", help="on a GPU, also JIT-build DeepSpeed's FusedAdam "
                         "and take one step with it (a minute or more; the notebooks do not need it)")
-    rows = report(fused_adam=parser.parse_args(argv).fused_adam)
+    parser.add_argument("--no-cpu-adam", action="store_true", help="skip DeepSpeedCPUAdam's build and step (a minute "
+                        "or two the first time on 2 cores; a notebook that steps it builds it on first use)")
+    args = parser.parse_args(argv)
+    rows = report(fused_adam=args.fused_adam, cpu_adam=not args.no_cpu_adam)
     for row in rows:
         print(f"{verdict(row)} {row['check']}: {row['detail']}")
+    if args.no_cpu_adam:
+        print("preflight: DeepSpeedCPUAdam not built (--no-cpu-adam): a notebook that steps it builds it on first use")
     fatal = [row for row in rows if row["fatal"] and not row["ok"]]
     warned = [row for row in rows if not row["fatal"] and not row["ok"]]
     if warned:

@@ -76,11 +76,23 @@ def row(check, ok, fatal):
     ([row("transformers >= 5.3", True, True)], 0, "ok   transformers"),
 ])
 def test_only_a_package_problem_fails_the_set_up_a_cuda_toolkit_one_is_a_warning(rows, code, says, monkeypatch, capsys):
-    monkeypatch.setattr(preflight, "report", lambda fused_adam=False: rows)
+    monkeypatch.setattr(preflight, "report", lambda fused_adam=False, cpu_adam=True: rows)
     assert main([]) == code
     printed = capsys.readouterr().out
     assert says in printed
     assert ("warning(s)" in printed) == any(not r["ok"] and not r["fatal"] for r in rows)
+
+
+def test_no_cpu_adam_skips_its_build_and_says_so(monkeypatch, capsys):
+    # colab_setup.sh passes --no-cpu-adam for the notebooks that never step DeepSpeedCPUAdam: no build, no row.
+    def build(device):
+        raise AssertionError("DeepSpeedCPUAdam was built")
+    monkeypatch.setattr(preflight, "adam_op_matches_torch", build)
+    rows = preflight.report(cpu_adam=False)
+    assert not any(r["check"].startswith("DeepSpeedCPUAdam") for r in rows)
+    assert {r["check"].split(" ")[0] for r in rows if r["fatal"]} >= set(MINIMUM_VERSIONS)   # the other checks stay
+    assert main(["--no-cpu-adam"]) == 0
+    assert "DeepSpeedCPUAdam not built (--no-cpu-adam)" in capsys.readouterr().out
 
 
 def test_this_machine_passes_its_own_preflight():
