@@ -2,8 +2,8 @@
 
     python -m benchmarks.colab_time            # reads the cell timings stored in notebooks/*.ipynb
 
-The table it prints is the one notebooks/README.md shows under "Time on a Colab T4, estimated" (PAGE; the page
-names the CPU peak it was made with, to pass as --cpu-peak-tflops). Each stored notebook keeps its cells' start
+The table notebooks/README.md shows under "Time on a Colab T4, estimated" (PAGE) is this one at the CPU peak the
+stored run measured (benchmarks.stored_run writes it; --cpu-peak-tflops takes another). Each stored notebook keeps its cells' start
 and end times (nbclient records them). Two kinds of cell:
 - cells that launch rank programs (`run_program`, `pipeline.run`, a notebook's `torchrun(...)` or `launch(...)` of
   its shown script on 2 ranks, `run_script`): on a single GPU these ranks run on the
