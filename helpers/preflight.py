@@ -22,7 +22,9 @@ from importlib.metadata import PackageNotFoundError, version
 MINIMUM_VERSIONS = {
     "torch": "2.6",           # torch.compiler.set_stance, torch.nn.utils.get_total_norm
     "transformers": "5.3",    # transformers.integrations.deepspeed.initialize_weights_zero3 (helpers/programs/zero3.py;
-                              # new in 5.3), transformers.initialization.no_init_weights and from_pretrained(dtype=) (5.0)
+                              # new in 5.3), transformers.initialization.no_init_weights and from_pretrained(dtype=) (5.0);
+                              # utils.output_capturing, whose registry notebook 06's AutoEP fix reads (tests/test_autoep.py
+                              # runs it here and in .ci/floors); 07's AutoTP and Ulysses scripts were run at 5.3 by hand
     "accelerate": "1.3",      # HF Trainer (helpers/hf_trainer.py): transformers 5.3's calls unwrap_model(keep_torch_compile=),
                               # new in accelerate 1.3 (transformers states 1.1, which fails there)
     "datasets": "3.0",        # Dataset.from_dict, train_test_split, load_dataset("text"), load_from_disk
