@@ -51,7 +51,8 @@ def number(low: float, high: float) -> Rule:
 def choice(*values) -> Rule:
     """One of `values`."""
     return Rule(lambda v: any(v == x and type(v) is type(x) for x in values),
-                "one of " + ", ".join(map(repr, values)), edges=values, outside=("none of these",))
+                ("one of " if len(values) > 1 else "") + ", ".join(map(repr, values)), edges=values,
+                outside=("none of these",))
 
 
 def either(*rules: Rule) -> Rule:

@@ -73,8 +73,8 @@ def _notebook_07_parameters_and_setup():
     ("STEPS", 3, r"STEPS=3: use an even integer >= 2"),
     ("TP_SEQ_LEN", 1, r"TP_SEQ_LEN=1: use an integer >= 2"),
     ("TP_BATCH", 3, r"TP_BATCH=3: use an even integer >= 2"),
-    ("SP_LENGTHS", (64, 65), r"use multiples of N_RANKS=2"),
-    ("ACTIVATION_BUDGET_MB", 0, r"ACTIVATION_BUDGET_MB=0: use a number > 0"),
+    ("SP_LENGTHS", (64, 65), r"SP_LENGTHS=\(64, 65\): use a tuple of increasing values, each an even integer >= 2"),
+    ("ACTIVATION_BUDGET_MB", 0, r"ACTIVATION_BUDGET_MB=0: use a number from 0.001 to 1e\+06"),
     ("SEED", -1, r"SEED=-1: use an integer >= 0"),
 ])
 def test_notebook_07_refuses_in_one_line_what_its_parameters_cell_does_not_offer(name, value, message):

@@ -71,6 +71,6 @@ def test_a_refusal_is_one_line_that_says_what_to_use():
     with pytest.raises(InputError) as refused:
         parameters.check_parameters({"LR": 0.5}, LR=parameters.number(1e-3, 1e-2))
     assert str(refused.value) == "LR=0.5: use a number from 0.001 to 0.01"
-    with pytest.raises(InputError, match=r"^SIZE='huge': use one of 'auto' or an integer from 16 to 8192$"):
+    with pytest.raises(InputError, match=r"^SIZE='huge': use 'auto' or an integer from 16 to 8192$"):
         parameters.check_parameters({"SIZE": "huge"}, SIZE=parameters.either(parameters.choice("auto"),
                                                                             parameters.integer(16, 8192)))
