@@ -61,18 +61,16 @@ def table() -> str:
 def opening_lines() -> dict[str, str]:
     """notebook -> its "**Time:**" line."""
     t4 = {row["notebook"]: row["T4 estimate s"] for row in estimate(stored_cpu_peak()[1])}
+    every = list(map(facts, NOTEBOOKS))
+    run_machine = next(f["machine"] for f in every if f["machine"])   # for the notebooks that print none
     lines = {}
-    for f in map(facts, NOTEBOOKS):
+    for f in every:
         low, high = t4[f["notebook"]]
-        machine = f["machine"] or machine_of_the_run()
+        machine = f["machine"] or run_machine
         lines[f["notebook"]] = (f"**Time:** {f['seconds']:.0f} s in the stored run (`{machine}`); on a Colab T4 an "
                                 f"estimated {low / 60:.1f}-{high / 60:.1f} min, plus the set-up "
                                 "([notebooks/README.md](README.md#time-on-a-colab-t4-estimated)).")
     return lines
-
-
-def machine_of_the_run() -> str:
-    return next(f["machine"] for f in map(facts, NOTEBOOKS) if f["machine"])
 
 
 def provenance() -> str:
